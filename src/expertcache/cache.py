@@ -1,0 +1,254 @@
+"""SlotTable: which expert lives in which slot, and the plan for each step.
+
+A *step* is one MoE layer's forward for one batch of tokens: the experts it
+needs, in the router's rank order (decode) or the union over the batch
+(prefill). The table answers with a ``Plan``: hits (key -> slot), loads (key ->
+slot it is copied into, after the victims in ``evictions`` leave) and bypasses
+(keys served without caching). The simulator counts plans; the runtime executes
+them. Torch-free by design.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from .keys import ExpertKey
+from .policies.registry import make_admission, make_eviction
+from .stats import DECODE, FIELDS, Stats, phase_code
+
+PARTITIONS = ("global", "per-layer")
+
+
+class Plan:
+    """What one step needs done. Keys are ints ``layer * num_experts + expert``."""
+
+    __slots__ = ("hits", "loads", "evictions", "bypasses")
+
+    def __init__(self) -> None:
+        self.hits: dict[int, int] = {}       # resident key -> its slot
+        self.loads: dict[int, int] = {}      # key -> slot to copy it into
+        self.evictions: dict[int, int] = {}  # evicted key -> the slot it gave up
+        self.bypasses: list[int] = []        # keys to serve without caching
+
+    def __repr__(self) -> str:
+        return (f"Plan(hits={self.hits}, loads={self.loads}, "
+                f"evictions={self.evictions}, bypasses={self.bypasses})")
+
+
+class _Partition:
+    """A share of the slots with its own eviction and admission policy."""
+
+    __slots__ = ("start", "capacity", "free", "policy", "admission")
+
+    def __init__(self, start: int, capacity: int, policy, admission) -> None:
+        self.start, self.capacity = start, capacity
+        self.free = list(range(start + capacity - 1, start - 1, -1))  # pop() gives lowest first
+        self.policy, self.admission = policy, admission
+
+
+class SlotTable:
+    """Maps expert keys to slot ids ``0..slots-1`` under eviction and admission policies.
+
+    ``partition='global'`` shares all slots among layers; ``'per-layer'`` gives each
+    layer ``slots // num_layers``. ``pinned`` keys (plus the eviction policy's own
+    ``pinned_keys()``) are loaded at construction, count against capacity and are
+    never evicted.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, slots: int, *,
+                 eviction: str = "lru", admission: str = "always",
+                 partition: str = "global", top_k: int | None = None,
+                 pinned: Iterable[int | tuple[int, int]] = (),
+                 eviction_params: dict | None = None,
+                 admission_params: dict | None = None) -> None:
+        _check_positive("num_layers", num_layers)
+        _check_positive("num_experts", num_experts)
+        _check_positive("slots", slots)
+        if partition not in PARTITIONS:
+            raise ValueError(f"unknown partition {partition!r}; use one of {', '.join(PARTITIONS)}")
+        self.num_layers, self.num_experts, self.slots = num_layers, num_experts, slots
+        self.partition, self.top_k = partition, top_k
+        self.eviction_name, self.admission_name = eviction, admission
+        shares = self._shares(partition, top_k)
+        self._parts = [
+            _Partition(start, cap,
+                       make_eviction(eviction, cap, **(eviction_params or {})),
+                       make_admission(admission, **(admission_params or {})))
+            for start, cap in shares
+        ]
+        self._part_of_layer = (self._parts * num_layers if partition == "global"
+                               else self._parts)
+        self.needs_future = self._parts[0].policy.needs_future
+        self._future_bound = False
+        self._records = self._parts[0].admission.records
+        self._slot_of: dict[int, int] = {}
+        self._key_of: list[int | None] = [None] * slots
+        self._pinned: set[int] = set()
+        self._now = 0
+        self._layer_now = [0] * num_layers
+        self._counts = [[[0] * len(FIELDS) for _ in range(num_layers)] for _ in range(2)]
+        policy_pins = set()
+        for part in self._parts:
+            policy_pins.update(part.policy.pinned_keys())
+        self._pin(list(pinned) + sorted(policy_pins))
+
+    # -- construction helpers -------------------------------------------------
+    def _shares(self, partition: str, top_k: int | None) -> list[tuple[int, int]]:
+        if top_k is not None:
+            _check_positive("top_k", top_k)
+            if top_k > self.num_experts:
+                raise ValueError(f"top_k={top_k} exceeds num_experts={self.num_experts}")
+        if partition == "global":
+            shares = [(0, self.slots)]
+        else:
+            per = self.slots // self.num_layers
+            if per < 1:
+                raise ValueError(f"per-layer partition of {self.slots} slots over {self.num_layers} "
+                                 f"layers leaves no slot per layer; give at least {self.num_layers} slots")
+            shares = [(i * per, per) for i in range(self.num_layers)]
+        cap = shares[0][1]
+        if top_k is not None and cap < top_k:
+            where = "the pool" if partition == "global" else "each layer's partition"
+            raise ValueError(f"capacity below top-k: {where} holds {cap} slots but one step needs "
+                             f"up to top_k={top_k}; give at least {top_k * (1 if partition == 'global' else self.num_layers)} slots")
+        return shares
+
+    def _pin(self, keys: list) -> None:
+        for item in keys:
+            key = self.key(*item) if isinstance(item, tuple) else self._check_key(item)
+            if key in self._pinned:
+                continue
+            part = self._part_of_layer[key // self.num_experts]
+            if not part.free:
+                raise ValueError(f"too many pinned experts: {ExpertKey(*divmod(key, self.num_experts))} "
+                                 f"does not fit in a partition of {part.capacity} slots")
+            slot = part.free.pop()
+            self._slot_of[key], self._key_of[slot] = slot, key
+            self._pinned.add(key)
+
+    # -- queries --------------------------------------------------------------
+    def key(self, layer: int, expert: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise ValueError(f"expert key out of range: layer {layer}, expert {expert}; this table has "
+                             f"{self.num_layers} layers x {self.num_experts} experts")
+        return layer * self.num_experts + expert
+
+    def _check_key(self, key: int) -> int:
+        if not 0 <= key < self.num_layers * self.num_experts:
+            raise ValueError(f"expert key {key} out of range 0..{self.num_layers * self.num_experts - 1}")
+        return key
+
+    def slot_of(self, key: int) -> int | None:
+        return self._slot_of.get(key)
+
+    def resident(self) -> dict[int, int]:
+        """A copy of key -> slot for every resident key (pinned included)."""
+        return dict(self._slot_of)
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        return frozenset(self._pinned)
+
+    @property
+    def partition_capacity(self) -> int:
+        return self._parts[0].capacity
+
+    def stats(self) -> Stats:
+        return Stats(self._counts)
+
+    def reset_stats(self) -> None:
+        for phase in self._counts:
+            for row in phase:
+                row[:] = [0] * len(FIELDS)
+
+    # -- mutation -------------------------------------------------------------
+    def bind_future(self, future: object) -> None:
+        """Hand the future accesses to an oracle policy (``belady``)."""
+        for part in self._parts:
+            part.policy.bind_future(future)
+        self._future_bound = True
+
+    def seed(self, keys: Iterable[int | tuple[int, int]]) -> Plan:
+        """Preload keys into free slots (evictable later); no access is counted."""
+        plan = Plan()
+        for item in keys:
+            key = self.key(*item) if isinstance(item, tuple) else self._check_key(item)
+            part = self._part_of_layer[key // self.num_experts]
+            if key in self._slot_of or not part.free:
+                continue
+            slot = part.free.pop()
+            self._slot_of[key], self._key_of[slot] = slot, key
+            part.policy.on_insert(key, self._now)
+            plan.loads[key] = slot
+        return plan
+
+    def step(self, layer: int, experts: Sequence[int], phase: int | str = DECODE) -> Plan:
+        """Plan one layer's forward needing ``experts`` (router rank order, rank 0 first)."""
+        if self.needs_future and not self._future_bound:
+            raise ValueError(f"policy {self.eviction_name!r} is an offline oracle: it needs the future "
+                             "accesses, which only a replayed trace has (expertcache sim / bench)")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range 0..{self.num_layers - 1}")
+        if phase != DECODE:
+            phase = phase_code(phase)
+        experts = list(dict.fromkeys(experts))  # dedupe, keep rank order
+        if experts and (min(experts) < 0 or max(experts) >= self.num_experts):
+            bad = [e for e in experts if not 0 <= e < self.num_experts]
+            raise ValueError(f"expert id(s) {bad} out of range 0..{self.num_experts - 1} at layer {layer}")
+        return self._step(layer, experts, phase)
+
+    def _step(self, layer: int, experts: list[int], phase: int) -> Plan:
+        plan = Plan()
+        part = self._part_of_layer[layer]
+        policy, admission = part.policy, part.admission
+        slot_of, pinned, now = self._slot_of, self._pinned, self._now
+        layer_now = self._layer_now[layer]
+        base = layer * self.num_experts
+        keys = [base + e for e in experts]
+        protected = set(keys)
+        hits = loads = evictions = bypasses = 0
+        for key in keys:
+            if self._records:
+                admission.record(key, layer_now)
+            slot = slot_of.get(key)
+            if slot is not None:
+                hits += 1
+                plan.hits[key] = slot
+                if key not in pinned:
+                    policy.on_access(key, now)
+                continue
+            victim = None if part.free else policy.victim(protected)
+            if (victim is None and not part.free) or not admission.admit(key, victim):
+                bypasses += 1
+                plan.bypasses.append(key)
+                continue
+            if victim is None:
+                slot = part.free.pop()
+            else:
+                slot = slot_of.pop(victim)
+                policy.on_remove(victim)
+                plan.evictions[victim] = slot
+                evictions += 1
+            slot_of[key] = slot
+            self._key_of[slot] = key
+            policy.on_insert(key, now)
+            plan.loads[key] = slot
+            loads += 1
+        row = self._counts[phase][layer]
+        n = len(keys)
+        row[0] += n
+        row[1] += hits
+        row[2] += n - hits
+        row[3] += loads
+        row[4] += evictions
+        row[5] += bypasses
+        self._now = now + 1
+        self._layer_now[layer] = layer_now + 1
+        return plan
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+
+

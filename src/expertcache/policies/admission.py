@@ -1,0 +1,81 @@
+"""Admission policies: should a missed key take a slot, or be served as a bypass?"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from .base import AdmissionPolicy
+from .registry import register
+
+
+@register
+class Always(AdmissionPolicy):
+    name = "always"
+    description = "admit every missed key (plain demand caching)"
+    records = False
+
+    def admit(self, candidate: int, victim: int | None) -> bool:
+        return True
+
+
+@register
+class Never(AdmissionPolicy):
+    name = "never"
+    description = "admit nothing: every miss is a bypass (llama.cpp's copy-every-pass)"
+    records = False
+
+    def admit(self, candidate: int, victim: int | None) -> bool:
+        return False
+
+
+@register
+class SecondHit(AdmissionPolicy):
+    name = "second-hit"
+    description = "admit a key only if it missed before and is still in a bounded ghost list"
+    params = {"ghost": 4096}
+
+    def __init__(self, ghost: int = 4096) -> None:
+        if ghost < 1:
+            raise ValueError("parameter 'ghost' of policy 'second-hit' must be at least 1")
+        self.ghost_size = ghost
+        self._ghost: OrderedDict[int, None] = OrderedDict()  # keys missed once, oldest first
+        self._seen_before = False
+
+    def record(self, key: int, now: int) -> None:
+        # Remember whether this access had been missed before, then note it.
+        self._seen_before = key in self._ghost
+        if self._seen_before:
+            self._ghost.move_to_end(key)
+        else:
+            self._ghost[key] = None
+            if len(self._ghost) > self.ghost_size:
+                self._ghost.popitem(last=False)
+
+    def admit(self, candidate: int, victim: int | None) -> bool:
+        return victim is None or self._seen_before
+
+
+@register
+class Window(AdmissionPolicy):
+    name = "window"
+    description = "admit a key used at least N times within its layer's last W steps"
+    params = {"n": 2, "w": 16}
+
+    def __init__(self, n: int = 2, w: int = 16) -> None:
+        if n < 1 or w < 1:
+            raise ValueError("parameters 'n' and 'w' of policy 'window' must be at least 1")
+        self.n, self.w = n, w
+        self._uses: dict[int, deque[int]] = {}
+        self._count = 0
+
+    def record(self, key: int, now: int) -> None:
+        uses = self._uses.get(key)
+        if uses is None:
+            uses = self._uses[key] = deque()
+        uses.append(now)
+        while uses and uses[0] <= now - self.w:
+            uses.popleft()
+        self._count = len(uses)
+
+    def admit(self, candidate: int, victim: int | None) -> bool:
+        return victim is None or self._count >= self.n

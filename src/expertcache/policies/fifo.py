@@ -1,0 +1,16 @@
+"""First in, first out: evict the key resident longest; hits change nothing."""
+
+from __future__ import annotations
+
+from .base import EvictionPolicy
+from .lru import LRU
+from .registry import register
+
+
+@register
+class FIFO(LRU):
+    name = "fifo"
+    description = "first in, first out: evict the key that was loaded longest ago; hits do not reorder"
+
+    def on_access(self, key: int, now: int) -> None:
+        pass
