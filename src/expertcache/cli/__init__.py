@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("policies",)
+COMMANDS = ("policies", "imatrix")
 
 
 def build_parser() -> argparse.ArgumentParser:
