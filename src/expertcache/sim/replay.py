@@ -1,0 +1,220 @@
+"""Replay a routing trace through ``SlotTable``: the simulator's ground truth.
+
+Semantics (issue 3): cold start; steps run token-major (token 0 layers
+0..L-1, then token 1, ...); every access is counted; a hit is a key resident
+when its step begins; the phase comes from the trace. ``belady`` is the exact
+optimum with forced admission: the table is handed a ``Future`` built from the
+same steps. The table is the runtime's own code, so simulated and live hit
+rates cannot drift apart; ``sim.fast`` kernels are exact copies of it for
+lru, fifo and belady (tested equal) and are used when they apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..cache import PARTITIONS, SlotTable
+from ..policies.belady import Future
+from ..policies.registry import eviction_policies, parse_spec
+from ..stats import Counts, Stats
+from ..trace.format import Trace
+
+FAST_POLICIES = ("lru", "fifo", "belady")
+ENGINES = ("auto", "table", "fast")
+
+
+@dataclass
+class ReplayResult:
+    """One policy at one size on one trace; ``stats`` has per-layer, per-phase counts."""
+
+    policy: str        # eviction policy as registered (what actually ran)
+    admission: str
+    partition: str
+    slots: int         # total slots (per-layer: ``slots // L`` each)
+    stats: Stats
+    engine: str        # "table" (SlotTable) or the fast kernel used
+    label: str = ""    # what the user asked for, e.g. "default" -> "default (lru)"
+
+    @property
+    def total(self) -> Counts:
+        return self.stats.total()
+
+    @property
+    def accesses(self) -> int:
+        return self.total.accesses
+
+    @property
+    def hits(self) -> int:
+        return self.total.hits
+
+    @property
+    def misses(self) -> int:
+        return self.total.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.total.hit_rate
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A parsed ``EVICTION[+ADMISSION]`` with the label to show for it."""
+
+    eviction: str
+    admission: str
+    label: str
+
+
+def resolve_policy(spec: str) -> PolicySpec:
+    """Parse a spec and check both names are registered (ValueError lists the known ones).
+
+    ``default`` means the registry's ``default`` policy when one is registered,
+    else ``lru``; the label then says which ran.
+    """
+    from ..policies.registry import admission_class, eviction_class
+
+    eviction, admission = parse_spec(spec)
+    label = spec.strip()
+    if eviction == "default" and "default" not in eviction_policies():
+        eviction = "lru"
+        label = label.replace("default", "default (lru)", 1)
+    eviction_class(eviction)
+    admission_class(admission)
+    return PolicySpec(eviction, admission, label)
+
+
+def slots_for_fraction(trace: Trace, fraction: float) -> int:
+    """Total slots holding ``fraction`` of all L x E experts (rounded)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction {fraction} is outside (0, 1]: give the share of all "
+                         f"{trace.num_layers} x {trace.num_experts} experts the slots hold, e.g. 0.125")
+    return max(1, round(fraction * trace.num_layers * trace.num_experts))
+
+
+def per_partition(slots: int, partition: str, num_layers: int) -> int:
+    return slots if partition == "global" else slots // num_layers
+
+
+def check_table(trace: Trace, spec: PolicySpec, slots: int, partition: str,
+                eviction_params: dict | None = None,
+                admission_params: dict | None = None, pinned: Sequence[int] = ()) -> SlotTable:
+    """Build the table once: it validates slots, partition, top-k and parameters."""
+    if partition not in PARTITIONS:
+        raise ValueError(f"unknown partition {partition!r}; use one of {', '.join(PARTITIONS)}")
+    return SlotTable(trace.num_layers, trace.num_experts, slots, eviction=spec.eviction,
+                     admission=spec.admission, partition=partition, top_k=trace.top_k,
+                     eviction_params=eviction_params, admission_params=admission_params)
+
+
+class Prepared:
+    """A trace turned into the arrays and lists replays need, each built once."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.L, self.E = trace.num_layers, trace.num_experts
+
+    @cached_property
+    def keys(self) -> np.ndarray:        # int32 [T*L, K], -1 = repeat within a step
+        from .fast import step_keys
+        return step_keys(self.trace.experts, self.E)
+
+    @cached_property
+    def phases(self) -> np.ndarray:      # uint8 [T*L]
+        return np.repeat(self.trace.phases.astype(np.uint8), self.L)
+
+    @cached_property
+    def nexts(self) -> np.ndarray:       # int64 [T*L, K] next step using each key
+        from .fast import next_uses
+        return next_uses(self.keys)
+
+    @cached_property
+    def step_lists(self) -> list[list[list[int]]]:
+        """Per token, per layer: the expert ids in rank order, repeats dropped."""
+        rows = self.trace.experts.transpose(1, 0, 2).tolist()  # T, L, K
+        srt = np.sort(self.trace.experts, axis=2)
+        if (srt[:, :, 1:] == srt[:, :, :-1]).any():
+            rows = [[list(dict.fromkeys(ex)) for ex in tok] for tok in rows]
+        return rows
+
+    def future(self) -> Future:
+        E = self.E
+        return Future([layer * E + e for e in ex]
+                      for tok in self.step_lists for layer, ex in enumerate(tok))
+
+
+def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "global", *,
+           pinned: Iterable[int] = (), seed: Sequence[int] = (), engine: str = "auto",
+           eviction_params: dict | None = None,
+           admission_params: dict | None = None) -> ReplayResult:
+    """Replay ``trace`` under ``policy`` (``EVICTION[+ADMISSION]``) with ``slots`` in total.
+
+    ``pinned`` keys stay resident (imatrix hot sets); ``seed`` keys are preloaded
+    and evictable. ``engine='fast'`` insists on a numba kernel, ``'table'`` on
+    the SlotTable path; ``'auto'`` takes the kernel when it applies.
+    """
+    prep = trace if isinstance(trace, Prepared) else Prepared(trace)
+    spec = resolve_policy(policy)
+    pinned, seed = list(pinned), list(seed)
+    table = check_table(prep.trace, spec, slots, partition, eviction_params, admission_params,
+                        pinned)
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    fast_ok = (spec.eviction in FAST_POLICIES and spec.admission == "always"
+               and not pinned and not seed and not eviction_params)
+    if engine == "fast" and not fast_ok:
+        raise ValueError(f"no fast kernel for {spec.label!r} with these options; fast kernels "
+                         f"cover {', '.join(FAST_POLICIES)} with admission 'always' and no "
+                         "pinned or seeded keys (use engine 'table' or 'auto')")
+    if fast_ok and engine != "table":
+        counts, name = fast_counts(prep, spec.eviction, slots, partition)
+        stats = Stats(counts.tolist())
+    else:
+        stats, name = table_replay(prep, table, seed), "table"
+    return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, name, spec.label)
+
+
+def fast_counts(prep: Prepared, eviction: str, slots: int, partition: str) -> tuple[np.ndarray, str]:
+    """Counts ``[2, L, 6]`` from the numba kernel for ``eviction`` at one size."""
+    from . import fast
+    parts = 1 if partition == "global" else prep.L
+    cap = per_partition(slots, partition, prep.L)
+    if eviction == "belady":
+        return fast.belady_replay(prep.keys, prep.nexts, prep.phases, prep.L, prep.E,
+                                  parts, cap), "belady-kernel"
+    return fast.list_replay(prep.keys, prep.phases, prep.L, prep.E, parts, cap,
+                            eviction == "lru"), f"{eviction}-kernel"
+
+
+def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str) -> list[ReplayResult]:
+    """LRU at every size from one pass of stack distances (see ``sim.fast``)."""
+    from . import fast
+    spec = resolve_policy("lru")
+    for slots in slots_list:
+        check_table(prep.trace, spec, slots, partition)
+    parts = 1 if partition == "global" else prep.L
+    dist = fast.lru_distances(prep.keys, prep.phases, prep.L, prep.E, parts)
+    return [ReplayResult("lru", "always", partition, slots,
+                         Stats(fast.lru_counts_at(dist, per_partition(slots, partition, prep.L),
+                                                  parts).tolist()),
+                         "lru-stack", "lru")
+            for slots in slots_list]
+
+
+def table_replay(prep: Prepared, table: SlotTable, seed: Sequence[int] = ()) -> Stats:
+    """Step a fresh table (pinned keys already in) through the whole trace; its stats."""
+    if seed:
+        table.seed(seed)
+    if table.needs_future:
+        table.bind_future(prep.future())
+    phases = prep.trace.phases.tolist()
+    # The lists were validated and de-duplicated once, so call the table's
+    # inner step directly: the same code as step() without per-call checks.
+    step = table._step
+    for tok, phase in zip(prep.step_lists, phases):
+        for layer, experts in enumerate(tok):
+            step(layer, experts, phase)
+    return table.stats()
