@@ -31,7 +31,8 @@ class Never(AdmissionPolicy):
 @register
 class SecondHit(AdmissionPolicy):
     name = "second-hit"
-    description = "admit a key only if it missed before and is still in a bounded ghost list"
+    description = ("admit a key seen before (still in a bounded ghost list of `ghost` recent keys); "
+                   "free slots take anything")
     params = {"ghost": 4096}
 
     def __init__(self, ghost: int = 4096) -> None:
@@ -58,7 +59,8 @@ class SecondHit(AdmissionPolicy):
 @register
 class Window(AdmissionPolicy):
     name = "window"
-    description = "admit a key used at least N times within its layer's last W steps"
+    description = ("admit a key used at least `n` times (this use included) within its layer's last "
+                   "`w` steps; free slots take anything")
     params = {"n": 2, "w": 16}
 
     def __init__(self, n: int = 2, w: int = 16) -> None:

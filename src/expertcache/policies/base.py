@@ -28,6 +28,9 @@ class EvictionPolicy:
     needs_future: ClassVar[bool] = False
 
     def __init__(self, capacity: int, **params: object) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"policy {self.name or type(self).__name__!r} needs a capacity of at "
+                             f"least 1 slot, got {capacity!r}")
         self.capacity = capacity
 
     def on_insert(self, key: int, now: int) -> None:

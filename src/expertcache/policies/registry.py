@@ -16,7 +16,8 @@ ENTRY_POINT_GROUP = "expertcache.policies"
 
 _EVICTION: dict[str, type[EvictionPolicy]] = {}
 _ADMISSION: dict[str, type[AdmissionPolicy]] = {}
-_BUILTIN_MODULES = ("lru", "fifo", "belady", "admission")
+_BUILTIN_MODULES = ("lru", "fifo", "belady", "admission", "random_policy", "lfu", "slru", "lfru", "arc",
+                    "s3fifo", "static")
 _loaded = False
 
 
