@@ -21,6 +21,7 @@ from .counts import ExpertCounts
 
 GGUF_MAGIC = b"GGUF"
 _EXPS_COUNTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight\.counts$")
+_KIND_ORDER = ("gate", "up", "gate_up", "down")
 KV_DATASETS, KV_CHUNK_COUNT, KV_CHUNK_SIZE = "imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"
 
 
@@ -111,7 +112,7 @@ def _expert_counts_by_block(reader, path: Path) -> dict[int, np.ndarray]:
 
 
 def _agree(block: int, kinds: dict[str, np.ndarray], path: Path) -> np.ndarray:
-    names = sorted(kinds)
+    names = sorted(kinds, key=_KIND_ORDER.index)  # compare against gate (or up) first
     ref = kinds[names[0]]
     for name in names[1:]:
         other = kinds[name]
@@ -130,7 +131,7 @@ def _first_difference(a: np.ndarray, b: np.ndarray) -> str:
     if a.shape != b.shape:
         return f"{a.size} vs {b.size} experts"
     e = int(np.flatnonzero(~np.isclose(a, b, rtol=1e-6, atol=0.5))[0])
-    return f"expert {e}: {a[e]:g} vs {b[e]:g}"
+    return f"expert {e}: {a[e]:g} vs {b[e]:g} tokens"
 
 
 def _reject_flat(counts: np.ndarray, path: Path) -> None:
