@@ -1,0 +1,99 @@
+"""One validated description of a cache run: capacity, policies, miss path, baseline, device.
+
+``CacheConfig`` is what ``offload()``, the ``generate`` CLI and the benchmarks share.
+Every field is checked in ``__post_init__`` so a bad value fails early with a message
+that says what to write instead. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .cache import PARTITIONS
+from .policies.registry import admission_class, check_params, eviction_class
+from .runtime.sizes import parse_size
+
+MISS_PATHS = ("fetch", "cpu", "auto")
+BASELINES = ("resident", "copy-every-pass", "cpu")
+DTYPES = ("float32", "float16", "bfloat16")
+IMATRIX_MODES = ("pin", "seed")
+
+
+@dataclass
+class CacheConfig:
+    """How the expert cache runs.
+
+    Capacity: ``slots`` (experts the device pool caches, all layers together) or
+    ``gpu_memory`` (a budget such as ``"8GiB"`` the pool, staging included, must fit in).
+    One of them is required unless a baseline fixes the size ('resident': every expert;
+    'cpu': none). ``staging`` extra slots stream the experts a step needs beyond what
+    the cache admits (default: top-k); they are not part of ``slots``.
+    """
+
+    slots: int | None = None
+    gpu_memory: str | int | None = None
+    partition: str = "global"
+    eviction: str = "lru"
+    admission: str = "always"
+    eviction_params: dict = field(default_factory=dict)
+    admission_params: dict = field(default_factory=dict)
+    miss: str = "fetch"
+    baseline: str | None = None
+    staging: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    imatrix: str | None = None          # placeholder: llama.cpp imatrix file for hot-expert placement
+    imatrix_mode: str = "pin"           # placeholder: 'pin' (never evicted) or 'seed' (preloaded)
+
+    def __post_init__(self) -> None:
+        self._check_capacity()
+        self._check_choice("partition", self.partition, PARTITIONS)
+        self._check_choice("miss", self.miss, MISS_PATHS)
+        if self.baseline is not None:
+            self._check_choice("baseline", self.baseline, BASELINES)
+        if self.dtype is not None:
+            self._check_choice("dtype", self.dtype, DTYPES)
+        self._check_choice("imatrix_mode", self.imatrix_mode, IMATRIX_MODES)
+        if self.device is not None and not isinstance(self.device, str):
+            self.device = str(self.device)  # accept torch.device without importing torch
+        self.eviction_params = check_params(eviction_class(self.eviction), dict(self.eviction_params))
+        self.admission_params = check_params(admission_class(self.admission), dict(self.admission_params))
+        if eviction_class(self.eviction).needs_future:
+            raise ValueError(f"eviction policy {self.eviction!r} is an offline oracle that needs future "
+                             "accesses; a live run cannot know them. Use it in `expertcache sim`")
+
+    def _check_capacity(self) -> None:
+        if self.slots is not None and self.gpu_memory is not None:
+            raise ValueError("give either slots or gpu_memory, not both")
+        if self.slots is not None and (isinstance(self.slots, bool) or not isinstance(self.slots, int)
+                                       or self.slots < 1):
+            raise ValueError(f"slots must be a positive whole number, got {self.slots!r}")
+        if self.gpu_memory is not None:
+            parse_size(self.gpu_memory)
+        if self.staging is not None and (isinstance(self.staging, bool) or not isinstance(self.staging, int)
+                                         or self.staging < 1):
+            raise ValueError(f"staging must be a positive whole number of slots, got {self.staging!r}")
+
+    @staticmethod
+    def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+        if value not in choices:
+            raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(choices)}")
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        return None if self.gpu_memory is None else parse_size(self.gpu_memory)
+
+    def effective(self) -> CacheConfig:
+        """The configuration a baseline stands for (DESIGN.md: baselines are configurations)."""
+        if self.baseline == "copy-every-pass":  # llama.cpp: copy used experts each pass, keep none
+            return _replace(self, admission="never", admission_params={}, miss="fetch")
+        if self.baseline == "cpu":  # llama.cpp --cpu-moe: experts computed on the host
+            return _replace(self, admission="never", admission_params={}, miss="cpu")
+        return self  # 'resident' is sized by the runtime: one slot per expert, all preloaded
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _replace(cfg: CacheConfig, **changes) -> CacheConfig:
+    return CacheConfig(**{**asdict(cfg), **changes})

@@ -1,0 +1,1 @@
+"""Adapters that attach the expert cache to model libraries (torch lives here)."""

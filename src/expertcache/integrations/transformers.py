@@ -1,0 +1,159 @@
+"""``offload()``: run a Hugging Face transformers MoE model with the two-tier expert cache.
+
+Attaches through transformers' official experts hook (``ExpertsInterface`` +
+``set_experts_implementation``): no model class is patched. Expert weights leave the
+experts modules for host memory before the rest of the model moves to the device, so
+the device never holds all experts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import CacheConfig
+from ..runtime.engine import ExpertCache
+from ..runtime.experts import IMPLEMENTATION, expertcache_experts_forward
+from ..runtime.host import HostExperts, check_layout
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_UNSUPPORTED_QUANT = {"fp8": "FP8", "fbgemm_fp8": "FP8", "finegrained_fp8": "FP8", "mxfp4": "MXFP4-packed"}
+
+
+def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | None = None,
+            eviction: str = "lru", admission: str = "always", partition: str = "global",
+            miss: str = "fetch", baseline: str | None = None, device=None, dtype: str | None = None,
+            staging: int | None = None, eviction_params: dict | None = None,
+            admission_params: dict | None = None, config: CacheConfig | None = None):
+    """Keep ``model_or_path``'s experts in host memory behind a device slot pool; returns the model.
+
+    ``model_or_path``: a loaded transformers MoE model (changed in place) or a local
+    checkpoint directory. ``config`` replaces the keyword settings when given.
+    ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
+    """
+    if config is None:
+        config = CacheConfig(slots=slots, gpu_memory=gpu_memory, eviction=eviction, admission=admission,
+                             partition=partition, miss=miss, baseline=baseline, staging=staging,
+                             device=None if device is None else str(device), dtype=dtype,
+                             eviction_params=eviction_params or {}, admission_params=admission_params or {})
+    if config.imatrix is not None:
+        raise ValueError("imatrix placement is not wired into the runtime yet; drop imatrix= for now")
+    model = load_checkpoint(model_or_path, config.dtype) if isinstance(model_or_path, (str, Path)) \
+        else model_or_path
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload() takes a transformers model or a checkpoint directory, "
+                        f"got {type(model_or_path).__name__}")
+    if getattr(model, "expertcache", None) is not None:
+        raise ValueError("this model is already offloaded (model.expertcache exists); load a fresh copy")
+    found = find_experts(model)
+    if config.dtype is not None:
+        model.to(_DTYPES[config.dtype])
+    for name, module in found:
+        check_layout(module, name)
+        if config.effective().miss != "fetch" and getattr(module, "has_post_expert_norm", False):
+            raise ValueError(f"{name}: experts with a post-expert norm support only miss='fetch'")
+    device = torch.device(config.device) if config.device else default_device()
+    hosts = [HostExperts.take(module, pin=torch.cuda.is_available()) for _, module in found]
+    _check_uniform(hosts, found)
+    model.to(device)  # the dense part; the experts modules no longer hold their weights
+    cache = ExpertCache(config, hosts, _top_k(model, found), device)
+    for layer, (_, module) in enumerate(found):
+        module._expertcache = (cache, layer)
+    _attach(model, cache)
+    return model
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def find_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The experts modules in forward order (MoE-layer index = position in this list)."""
+    found = [(name, m) for name, m in model.named_modules()
+             if hasattr(m, "num_experts") and any(
+                 hasattr(m, kind) or hasattr(m, kind + "_blocks")
+                 for kind in ("gate_up_proj", "up_proj", "down_proj"))]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no MoE layers (no experts module holding fused "
+                         "gate_up_proj/down_proj); expertcache needs a Mixture-of-Experts model such as "
+                         "Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3 or Granite-MoE")
+    return found
+
+
+def _check_uniform(hosts: list[HostExperts], found) -> None:
+    first = hosts[0].layout()
+    for host, (name, _) in zip(hosts, found):
+        if host.layout() != first:
+            raise ValueError(f"{name}: expert shapes differ between MoE layers ({host.layout()} vs "
+                             f"{first}); one slot pool needs identical experts in every layer")
+
+
+def _top_k(model: torch.nn.Module, found) -> int:
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"cannot read top-k from {type(model.config).__name__} (num_experts_per_tok)")
+    return k
+
+
+def _attach(model: torch.nn.Module, cache: ExpertCache) -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, expertcache_experts_forward)
+    model.set_experts_implementation(IMPLEMENTATION)
+    model.expertcache = cache
+    model.register_forward_pre_hook(_phase_hook(cache), with_kwargs=True)
+
+
+def _phase_hook(cache: ExpertCache):
+    """Tell the cache whether this forward is prefill (several new tokens) or decode (one)."""
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        cache.set_phase(ids.shape[1] if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else None)
+    return hook
+
+
+def load_checkpoint(path: str | Path, dtype: str | None):
+    """Load a local checkpoint on the host, refusing missing files and unsupported layouts first."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    check_checkpoint_dir(path)
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=_DTYPES[dtype] if dtype else "auto", device_map="cpu", local_files_only=True)
+
+
+def check_checkpoint_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {path} (give a local directory "
+                                "written by save_pretrained; nothing is downloaded)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"incomplete checkpoint {path}: no config.json")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"incomplete checkpoint {path}: config.json is not valid JSON ({err})") from None
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant in _UNSUPPORTED_QUANT:
+        raise ValueError(f"{path}: {_UNSUPPORTED_QUANT[quant]} experts (quantization_config "
+                         f"quant_method={quant!r}) are not supported; use a bf16/fp16/fp32 checkpoint")
+    _check_weight_files(path)
+
+
+def _check_weight_files(path: Path) -> None:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            missing = [s for s in shards if not (path / s).is_file()]
+            if missing:
+                raise ValueError(f"incomplete checkpoint {path}: {index_name} lists shard(s) that are "
+                                 f"missing: {', '.join(missing)}")
+            return
+    if not any((path / n).is_file() for n in ("model.safetensors", "pytorch_model.bin")):
+        raise ValueError(f"incomplete checkpoint {path}: no weights (model.safetensors, "
+                         "model.safetensors.index.json or pytorch_model.bin)")

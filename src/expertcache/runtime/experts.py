@@ -1,0 +1,111 @@
+"""The transformers experts function: plan one step, execute the plan, compute.
+
+Registered as ``ExpertsInterface`` implementation "expertcache". Per MoE layer
+forward: read the router's choices to the host (the one device-to-host sync of the
+step), ask the SlotTable for a plan, copy loads into their slots, then compute hits
+and fetched experts from the pool in one grouped matmul over slot ids, stream
+excess bypasses through staging slots, and hand CPU-path experts to the host.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from itertools import chain
+
+import torch
+
+from ..stats import DECODE, PREFILL
+from .compute import grouped_over_slots
+from .miss import cpu_experts
+
+IMPLEMENTATION = "expertcache"
+
+
+def expertcache_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``fn(self, hidden [T, H], top_k_index [T, K] int64, top_k_weights [T, K]) -> [T, H]``."""
+    handle = getattr(module, "_expertcache", None)
+    if handle is None:
+        raise RuntimeError(f"{type(module).__name__} runs the 'expertcache' experts implementation but "
+                           "was not prepared by expertcache.offload(); call offload() on the model")
+    cache, layer = handle
+    return run_step(cache, layer, module, hidden_states, top_k_index, top_k_weights)
+
+
+def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
+             top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    # T tokens, K top-k, H hidden, E experts of this layer, S pool slots (cache + staging)
+    want_acts = cache.miss != "fetch"
+    idx_rows, hidden_h, weights_h = _to_host(top_k_index, hidden, top_k_weights, want_acts)
+    phase = cache.phase if cache.phase is not None else (PREFILL if len(idx_rows) > 1 else DECODE)
+    plan = cache.table.step(layer, list(dict.fromkeys(chain.from_iterable(idx_rows))), phase)
+    base, host, pool = layer * cache.num_experts, cache.hosts[layer], cache.pool
+    for key, slot in plan.loads.items():  # the table now counts these resident: always copy
+        cache.h2d[phase][layer] += pool.load(slot, host, key - base)
+
+    on_device = {key - base: slot for key, slot in plan.hits.items()}
+    staged, on_cpu = [], []
+    tokens = Counter(chain.from_iterable(idx_rows)) if cache.miss == "auto" else None
+    for key, slot in plan.loads.items():
+        if cache.compute_on_cpu(key - base, tokens):
+            on_cpu.append(key - base)  # its copy still lands in the slot, for later hits
+        else:
+            on_device[key - base] = slot
+    for key in plan.bypasses:
+        (on_cpu if cache.compute_on_cpu(key - base, tokens) else staged).append(key - base)
+
+    out = _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights,
+                         on_device, staged)
+    if on_cpu:  # runs on the host while the device works through the rounds queued above
+        pairs = defaultdict(list)
+        for t, row in enumerate(idx_rows):
+            for k, e in enumerate(row):
+                pairs[e].append((t, k))
+        y = cpu_experts(module, host, on_cpu, pairs, hidden_h, weights_h)
+        y = y.pin_memory().to(hidden.device, non_blocking=True) if pool.cuda else y.to(hidden.device)
+        out = y if out is None else out + y
+    return out
+
+
+def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights,
+                   on_device: dict[int, int], staged: list[int]) -> torch.Tensor | None:
+    """Compute device experts; bypasses beyond the staging slots go in further rounds."""
+    pool, host = cache.pool, cache.hosts[layer]
+    staging = pool.staging_ids
+    if staged and not staging:
+        raise RuntimeError("a bypassed expert needs a staging slot but the pool has none")
+    chunks = [staged[i:i + len(staging)] for i in range(0, len(staged), len(staging) or 1)] or [[]]
+    out = None
+    for r, chunk in enumerate(chunks):
+        mapping = dict(on_device) if r == 0 else {}
+        for expert, slot in zip(chunk, staging):
+            cache.h2d[phase][layer] += pool.load(slot, host, expert)
+            mapping[expert] = slot
+        if not mapping:
+            continue
+        pool.ready()  # compute waits for this step's copies, on the device only
+        slot_idx = _slot_index(mapping, cache.num_experts, pool.size, top_k_index)
+        y = grouped_over_slots(module, hidden, slot_idx, top_k_weights, pool.tensors)
+        pool.mark_read(mapping.values())  # the next load into these slots waits for this
+        out = y if out is None else out + y
+    return out
+
+
+def _slot_index(mapping: dict[int, int], num_experts: int, size: int,
+                top_k_index: torch.Tensor) -> torch.Tensor:
+    """Expert ids [T, K] -> slot ids [T, K]; experts not in ``mapping`` get ``size`` (skipped)."""
+    lut = torch.full((num_experts,), size, dtype=torch.int64)
+    lut[list(mapping)] = torch.tensor(list(mapping.values()), dtype=torch.int64)
+    if top_k_index.device.type == "cuda":  # pinned + async: no sync on the way up
+        lut = lut.pin_memory().to(top_k_index.device, non_blocking=True)
+    return lut[top_k_index]
+
+
+def _to_host(top_k_index: torch.Tensor, hidden: torch.Tensor, weights: torch.Tensor, want_acts: bool):
+    """Router choices as Python rows (+ activations for the CPU path), with one sync at most."""
+    if top_k_index.device.type != "cuda":
+        return top_k_index.tolist(), hidden, weights
+    moved = [t.to("cpu", non_blocking=True) for t in ((top_k_index, hidden, weights) if want_acts
+                                                      else (top_k_index,))]
+    torch.cuda.current_stream(top_k_index.device).synchronize()  # the one D2H sync of this step
+    return moved[0].tolist(), *(moved[1:] if want_acts else (None, None))

@@ -1,0 +1,30 @@
+"""Live-run counters: the SlotTable's hit/miss counts plus the bytes copied host -> device."""
+
+from __future__ import annotations
+
+from ..stats import DECODE, FIELDS, PREFILL, Stats, phase_code
+
+
+class LiveStats(Stats):
+    """``Stats`` plus ``h2d_bytes`` per phase and layer (expert weights copied into slots)."""
+
+    def __init__(self, table_stats: Stats, h2d: list[list[int]]) -> None:
+        raw = [[[getattr(table_stats.layer(layer, phase), f) for f in FIELDS]
+                for layer in range(table_stats.num_layers)] for phase in (PREFILL, DECODE)]
+        super().__init__(raw)
+        self._h2d = [list(row) for row in h2d]
+
+    def h2d_bytes(self, phase: int | str | None = None, layer: int | None = None) -> int:
+        phases = (PREFILL, DECODE) if phase is None else (phase_code(phase),)
+        layers = range(self.num_layers) if layer is None else (layer,)
+        return sum(self._h2d[p][l] for p in phases for l in layers)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out["total"]["h2d_bytes"] = self.h2d_bytes()
+        out["prefill"]["h2d_bytes"] = self.h2d_bytes(PREFILL)
+        out["decode"]["h2d_bytes"] = self.h2d_bytes(DECODE)
+        for row in out["layers"]:
+            row["prefill"]["h2d_bytes"] = self.h2d_bytes(PREFILL, row["layer"])
+            row["decode"]["h2d_bytes"] = self.h2d_bytes(DECODE, row["layer"])
+        return out
