@@ -56,7 +56,9 @@ class LFRU(EvictionPolicy):
         self._touch(key, 1.0)
 
     def on_access(self, key: int, now: int) -> None:
-        self._touch(key, self.score(key) + 1.0)
+        score, last = self._state[key]
+        # Decay to this touch's tick (one more than the current), then count this use.
+        self._touch(key, score * 2.0 ** (-(self._tick + 1 - last) / self.halflife) + 1.0)
 
     def on_remove(self, key: int) -> None:
         del self._state[key]
