@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from expertcache import SlotTable
 from expertcache.imatrix import (ExpertCounts, apply_imatrix, coverage, place, placement_keys,
-                                 plan_coverage, table_plan)
+                                 plan_coverage, plan_keys, table_plan)
 from expertcache.trace import Trace
 
 
@@ -163,3 +163,14 @@ def test_pinning_helps_when_a_scan_floods_a_recency_cache():
     none = study.replay(trace, 6, "global")["hit_rate"]
     pinned = study.replay(trace, 6, "global", "pin", counts, 4 / 6)
     assert pinned["placed"] == 4 and pinned["hit_rate"] > none + 0.15
+
+
+def test_plan_keys_for_code_that_builds_its_own_table():
+    keys = plan_keys(ExpertCounts(HOT), num_layers=2, num_experts=6, slots=6, top_k=2, mode="pin")
+    assert keys == [0, 8, 11]
+    table = SlotTable(2, 6, 6, top_k=2, pinned=keys)        # what sim.replay(pinned=...) does
+    assert table.pinned == frozenset(keys)
+    seeds = plan_keys(ExpertCounts(HOT), num_layers=2, num_experts=6, slots=8, top_k=2,
+                      partition="per-layer", mode="seed")
+    # 4 slots per layer: each layer's 4 experts with non-zero counts
+    assert sorted(seeds) == [0, 1, 2, 3, 8, 9, 10, 11]

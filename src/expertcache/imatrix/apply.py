@@ -125,3 +125,20 @@ def place(table: SlotTable, source, mode: str, budget: int | None = None) -> Pla
 
         source = load_counts(Path(source))
     return apply_imatrix(table, table_plan(source, table, mode, budget), mode)
+
+
+def plan_keys(source, *, num_layers: int, num_experts: int, slots: int, partition: str = "global",
+              top_k: int | None = None, mode: str = "pin", budget: int | None = None) -> list[int]:
+    """Int keys (``layer * num_experts + expert``) of the plan for a cache of this shape.
+
+    For code that builds its own table, e.g. ``sim.replay(..., pinned=keys)`` or
+    ``seed=keys``: the same plan ``place`` would apply, checked the same way.
+    """
+    if check_mode(mode) == "none":
+        return []
+    if not isinstance(source, ExpertCounts):
+        from .sources import load_counts
+
+        source = load_counts(Path(source))
+    probe = SlotTable(num_layers, num_experts, slots, partition=partition, top_k=top_k)
+    return [layer * num_experts + expert for layer, expert in table_plan(source, probe, mode, budget)]
