@@ -133,6 +133,28 @@ def table_markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def mixtral_transfer(folder: Path, fractions=(0.125, 0.25)) -> list[dict]:
+    """Static coverage only (no traces exist): a plan from one MMLU subject's popularity
+    scored on another subject's counts, against the plan of that subject itself."""
+    import itertools
+
+    from expertcache.imatrix import load_counts, placement_keys
+
+    files = sorted(folder.glob("mixtral_8x7b_original-*.json"))
+    counts = {f.stem.split("original-")[1]: load_counts(f).counts for f in files}
+    if len(counts) < 2:
+        return []
+    rows = []
+    for fraction in fractions:
+        n = round(fraction * next(iter(counts.values())).size)
+        share = lambda a, b: plan_coverage(counts[b], placement_keys(counts[a], n))["mean_share"]  # noqa: E731
+        cross = [share(a, b) for a, b in itertools.permutations(counts, 2)]
+        rows.append({"fraction": fraction, "experts": n, "uniform": fraction,
+                     "self": round(float(np.mean([share(b, b) for b in counts])), 4),
+                     "cross_mean": round(float(np.mean(cross)), 4), "cross_min": round(min(cross), 4)})
+    return rows
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -165,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table_markdown(rows))
     info = {"machine": machine(), "tokens": code.num_tokens, "seconds": round(time.perf_counter() - t0, 1),
             "command": "python benchmarks/imatrix_study.py " + " ".join(argv or sys.argv[1:]), "rows": rows}
+    info["mixtral"] = mixtral_transfer(args.traces / "mixtral-popularity")
+    for row in info["mixtral"]:
+        print(f"mixtral popularity, plan of {row['experts']} experts ({row['fraction']:.1%}): covers "
+              f"{row['self']:.3f} of its own subject, {row['cross_mean']:.3f} of another "
+              f"(min {row['cross_min']:.3f}); uniform {row['uniform']:.3f}")
     print(f"\n{info['machine']}; {info['seconds']} s")
     if args.json:
         args.json.write_text(json.dumps(info, indent=1))
