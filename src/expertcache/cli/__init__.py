@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("policies", "imatrix")
+COMMANDS = ("policies", "imatrix", "sim", "probe")
 
 
 def build_parser() -> argparse.ArgumentParser:

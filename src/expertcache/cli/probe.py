@@ -1,0 +1,29 @@
+"""``expertcache probe [-o profile.json]``: measure this machine for the cost model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("probe", help="measure CPU matmul rate, memory and PCIe bandwidth "
+                                     "into a profile for 'sim --hardware FILE'")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the profile JSON here")
+    p.add_argument("--base", default="pcie4-consumer",
+                   help="preset supplying what cannot be measured (GPU figures without CUDA)")
+    p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..sim.hardware import probe, save_profile
+
+    if args.seconds <= 0:
+        raise ValueError(f"--seconds must be positive, got {args.seconds}")
+    hw, report = probe(args.base, args.seconds)
+    print(json.dumps({**asdict(hw), **report}, indent=2))
+    if args.output:
+        save_profile(hw, args.output, report)
+        print(f"wrote {args.output}")
+    return 0

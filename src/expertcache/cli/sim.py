@@ -1,0 +1,156 @@
+"""``expertcache sim TRACE``: score policies on a routing trace against the optimum.
+
+Sizes come from ``--slots``, ``--fraction`` or ``--sweep POINTS`` (a miss-ratio
+curve from the smallest legal size to every expert resident). Every result
+carries Belady's misses at the same size (``opt_misses``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sim", help="replay a routing trace: hit rates, optimum, predicted tok/s",
+                       description=__doc__)
+    p.add_argument("trace", help="trace .npz, or synth:PRESET for a synthetic trace")
+    p.add_argument("--policy", default="default",
+                   help="EVICTION[+ADMISSION][,...], e.g. lru,slru+second-hit,belady "
+                        "(default: the registry's default policy)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--slots", help="total slots, comma separated (e.g. 768,1536)")
+    size.add_argument("--fraction", help="share of all L x E experts, in (0, 1] (e.g. 0.125,0.25)")
+    size.add_argument("--sweep", type=int, metavar="POINTS", nargs="?", const=12,
+                      help="miss-ratio curve over POINTS sizes (default 12)")
+    p.add_argument("--partition", default="global", choices=("global", "per-layer"))
+    p.add_argument("--tokens", type=int, help="replay only the first N tokens")
+    p.add_argument("--json", metavar="OUT", help="write results as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="draw hit rate against slots")
+    p.add_argument("--hardware", default="pcie4-consumer",
+                   help="cost-model profile: pcie4-consumer, pcie5-consumer, h200, or a JSON "
+                        "file from 'expertcache probe'")
+    p.add_argument("--miss-path", default="auto", choices=("auto", "fetch", "cpu"))
+    p.add_argument("--expert-bytes", type=int, help="bytes of one expert (else trace meta or --model)")
+    p.add_argument("--model", help="model preset for expert size and FLOPs (see presets)")
+    p.add_argument("--workers", type=int, help="processes for SlotTable replays (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed for synth:PRESET traces")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..sim.hardware import load_hardware
+    from ..sim.mrc import optimum_misses, sweep, sweep_sizes
+    from ..sim.plot import plot_curves
+    from ..sim.replay import Prepared, resolve_policy, slots_for_fraction
+    from ..sim.report import document, expert_cost, rows
+
+    trace = _load(args.trace, args.tokens, args.seed)
+    policies = [s for s in args.policy.split(",") if s.strip()]
+    if not policies:
+        raise ValueError("--policy is empty; name at least one, e.g. --policy lru,belady")
+    for spec in policies:
+        resolve_policy(spec)  # unknown names fail before any replay
+    hw = load_hardware(args.hardware)
+    cost = expert_cost(trace, args.expert_bytes, args.model)
+    if args.sweep is not None:
+        slots = sweep_sizes(trace, args.partition, args.sweep)
+    elif args.slots:
+        slots = _numbers(args.slots, int, "--slots")
+    else:
+        fractions = _numbers(args.fraction or "0.125,0.25", float, "--fraction")
+        slots = [slots_for_fraction(trace, f) for f in fractions]
+    prep = Prepared(trace)
+    with _progress(len(policies) * len(slots)) as tick:
+        results = sweep(prep, policies, slots, args.partition, workers=args.workers, progress=tick)
+    opt = {r.slots: r.misses for r in results if (r.policy, r.admission) == ("belady", "always")}
+    opt = opt or optimum_misses(prep, slots, args.partition)
+    table = rows(trace, results, opt, cost, hw, args.miss_path)
+    _print_table(trace, table, hw.name, cost is not None)
+    if args.json:
+        Path(args.json).write_text(json.dumps(document(trace, table, hw, args.miss_path, cost),
+                                              indent=2) + "\n")
+    if args.plot:
+        title = f"{trace.meta.get('model', 'trace')}: {trace.num_tokens} tokens, {args.partition}"
+        plot_curves(results + _optimum_results(prep, slots, args.partition, policies),
+                    args.plot, title=title, total_experts=trace.num_layers * trace.num_experts)
+    return 0
+
+
+def _load(source: str, tokens: int | None, seed: int):
+    from ..trace.format import load_trace
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--tokens must be at least 1, got {tokens}")
+    if source.startswith("synth:"):
+        from ..trace.synth import synth_trace
+        trace = synth_trace(source[len("synth:"):], tokens or 2000, seed=seed)
+    else:
+        trace = load_trace(source)
+    if tokens is not None and tokens < trace.num_tokens:
+        trace = trace.slice_tokens(tokens)
+    return trace
+
+
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
+
+
+def _optimum_results(prep, slots, partition, policies):
+    """The optimum's curve for the plot, unless the user already asked for belady."""
+    from ..sim.mrc import sweep
+    if any(p.strip() == "belady" for p in policies):
+        return []
+    return sweep(prep, ["belady"], slots, partition, workers=1)
+
+
+class _progress:
+    """A rich progress bar on stderr for sweeps with more than a handful of jobs."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.bar = total, None
+
+    def __enter__(self):
+        if self.total > 4 and sys.stderr.isatty():
+            from rich.progress import Progress
+            self.bar = Progress(transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("replaying", total=self.total)
+        return self.tick
+
+    def tick(self, done: int, total: int) -> None:
+        if self.bar:
+            self.bar.update(self.task, completed=done)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.stop()
+
+
+def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x "
+                    f"{trace.num_experts} experts, top-{trace.top_k}, {trace.num_tokens} tokens",
+              title_justify="left")
+    t.caption = f"x opt: misses / Belady's; tok/s: cost model on {hw_name}"
+    for col in ("policy", "partition", "slots", "hit rate", "misses", "opt misses", "x opt",
+                "tok/s"):
+        t.add_column(col, justify="left" if col in ("policy", "partition") else "right")
+    for row in table:
+        opt = row["opt_misses"]
+        ratio = f"{row['misses'] / opt:.2f}" if opt else "-"
+        tok = f"{row['predicted_tok_s']:.1f}" if row["predicted_tok_s"] else "-"
+        t.add_row(row["label"], row["partition"], str(row["slots"]), f"{row['hit_rate']:.4f}",
+                  str(row["misses"]), str(opt), ratio, tok)
+    console = Console()
+    console.print(t)
+    if not has_cost:
+        console.print("tok/s and bytes moved need the expert size: give --expert-bytes or --model")

@@ -1,0 +1,130 @@
+"""Hardware profiles for the cost model: presets, JSON files, and a probe of this machine.
+
+Preset figures are spec-sheet or published numbers, not measurements here; the
+sources are in docs/cost-model.md. ``probe()`` measures what it can (numpy on
+the CPU; torch, imported only inside it, for pinned H2D copies when CUDA is
+present) and takes the rest from a base preset, listing which fields it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+
+from .costmodel import Hardware
+
+PRESETS: dict[str, Hardware] = {h.name: h for h in (
+    # RTX 3090-class: PCIe 4.0 x16 pinned ~25 GB/s (CONTEXT.md 2), 936 GB/s GDDR6X;
+    # desktop dual-channel DDR4-3200 (51 GB/s peak), 8-core AVX2 CPU.
+    Hardware("pcie4-consumer", h2d_gbps=25, gpu_mem_gbps=936, cpu_mem_gbps=45,
+             cpu_gflops=800, source="PCIe 4.0 x16 pinned (CONTEXT.md 2); RTX 3090 spec; DDR4-3200 x2"),
+    # RTX 5090-class: PCIe 5.0 x16 pinned ~50 GB/s (CONTEXT.md 2), 1792 GB/s GDDR7;
+    # desktop dual-channel DDR5-5600 (90 GB/s peak), 16-core AVX-512 CPU.
+    Hardware("pcie5-consumer", h2d_gbps=50, gpu_mem_gbps=1792, cpu_mem_gbps=80,
+             cpu_gflops=1500, source="PCIe 5.0 x16 pinned (CONTEXT.md 2); RTX 5090 spec; DDR5-5600 x2"),
+    # H200 (NVL, PCIe 5.0 x16 host link ~50 GB/s), 4.8 TB/s HBM3e; server with
+    # 12-channel DDR5-4800 (460 GB/s peak, ~300 sustained), 64+ cores.
+    Hardware("h200", h2d_gbps=50, gpu_mem_gbps=4800, cpu_mem_gbps=300, cpu_gflops=5000,
+             source="PCIe 5.0 x16 pinned (CONTEXT.md 2); NVIDIA H200 spec 4.8 TB/s; 12ch DDR5-4800"),
+)}
+DEFAULT = "pcie4-consumer"
+
+
+def load_hardware(name_or_path: str | Path) -> Hardware:
+    """A preset by name, or a profile JSON written by ``expertcache probe``."""
+    key = str(name_or_path)
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(key)
+    if not path.suffix and not path.exists():
+        raise ValueError(f"unknown hardware {key!r}; use a preset ({', '.join(PRESETS)}) "
+                         "or a profile JSON from 'expertcache probe -o FILE'")
+    if not path.exists():
+        raise FileNotFoundError(f"hardware profile not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not a JSON hardware profile: {err}") from None
+    known = {f.name for f in fields(Hardware)}
+    if not isinstance(data, dict) or not {"h2d_gbps", "gpu_mem_gbps"} <= set(data):
+        raise ValueError(f"{path}: a hardware profile needs at least h2d_gbps, gpu_mem_gbps, "
+                         f"cpu_mem_gbps, cpu_gflops (write one with 'expertcache probe -o FILE')")
+    args = {k: v for k, v in data.items() if k in known}
+    args.setdefault("name", path.stem)
+    try:
+        return Hardware(**args)
+    except TypeError as err:
+        raise ValueError(f"{path}: incomplete hardware profile ({err})") from None
+
+
+def save_profile(hw: Hardware, path: str | Path, extra: dict | None = None) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps({**asdict(hw), **(extra or {})}, indent=2) + "\n")
+    return path
+
+
+# -- probe ------------------------------------------------------------------------
+def probe(base: str = DEFAULT, seconds: float = 0.5) -> tuple[Hardware, dict]:
+    """Measure this machine; returns the profile and a report of what was measured.
+
+    CPU figures come from numpy; GPU figures (pinned H2D, device memory) only
+    when torch sees CUDA, else they stay at the ``base`` preset's values.
+    """
+    ref = load_hardware(base)
+    measured = {"cpu_gflops": cpu_gflops(seconds), "cpu_mem_gbps": cpu_mem_gbps(seconds)}
+    measured.update(gpu_rates(seconds))
+    values = {**asdict(ref), **measured, "name": "probed",
+              "source": f"expertcache probe; unmeasured fields from preset {ref.name}"}
+    return Hardware(**values), {"measured": sorted(measured), "base": ref.name}
+
+
+def cpu_gflops(seconds: float = 0.5, n: int = 1024) -> float:
+    """float32 matmul rate of numpy's BLAS (2 n^3 FLOPs per product)."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    return 2 * n ** 3 / _best_time(lambda: a @ a, seconds) / 1e9
+
+
+def cpu_mem_gbps(seconds: float = 0.5, mib: int = 256) -> float:
+    """Host memory bandwidth from a large copy (bytes read + bytes written)."""
+    src = np.ones(mib * 2 ** 20 // 8)
+    dst = np.empty_like(src)
+    return 2 * src.nbytes / _best_time(lambda: np.copyto(dst, src), seconds) / 1e9
+
+
+def gpu_rates(seconds: float = 0.5, mib: int = 256) -> dict[str, float]:
+    """Pinned H2D and device-to-device GB/s via torch; {} without torch or CUDA."""
+    try:
+        import torch  # lazily: sim/ never imports torch at module level
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    n = mib * 2 ** 20
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty_like(dev)
+
+    def timed(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize()
+        return _best_time(run, seconds)
+    h2d = n / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
+    d2d = 2 * n / timed(lambda: dev2.copy_(dev)) / 1e9
+    return {"h2d_gbps": h2d, "gpu_mem_gbps": d2d}
+
+
+def _best_time(fn, seconds: float) -> float:
+    """Fastest of repeated runs within about ``seconds`` (after one warm-up)."""
+    fn()
+    best, end = float("inf"), time.perf_counter() + seconds
+    while True:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        if time.perf_counter() > end:
+            return best
