@@ -1,0 +1,132 @@
+"""SlotTable behaviour: partitions, pinned keys, bypass of oversized steps, slot
+reuse, seeding, per-phase stats, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertcache import SlotTable
+from expertcache.stats import DECODE, PREFILL
+
+
+def test_per_layer_partitions_are_equal_and_independent():
+    table = SlotTable(2, 8, 4, eviction="lru", partition="per-layer")
+    assert table.partition_capacity == 2
+    table.step(1, [0, 1])
+    for e in range(8):  # churn layer 0 only
+        table.step(0, [e])
+    assert table.step(1, [0, 1]).hits == {8: 2, 9: 3}  # layer 1 owns slots 2, 3
+    assert all(0 <= s < 2 for k, s in table.resident().items() if k < 8)
+
+
+def test_global_pool_is_shared_between_layers():
+    table = SlotTable(2, 8, 2, eviction="lru")
+    table.step(1, [0, 1])
+    plan = table.step(0, [5])
+    assert plan.evictions == {8: 0} and plan.loads == {5: 0}  # layer 0 took layer 1's slot
+
+
+def test_freed_slots_are_reused_and_keys_keep_their_slot():
+    table = SlotTable(1, 8, 3, eviction="lru")
+    assert table.step(0, [0, 1, 2]).loads == {0: 0, 1: 1, 2: 2}  # lowest free slot first
+    plan = table.step(0, [3])
+    assert plan.evictions == {0: 0} and plan.loads == {3: 0}
+    assert table.step(0, [1, 2]).hits == {1: 1, 2: 2}
+
+
+def test_a_step_larger_than_the_partition_bypasses_the_excess():
+    table = SlotTable(1, 8, 2, eviction="lru")
+    plan = table.step(0, [4, 5, 6])
+    assert plan.loads == {4: 0, 5: 1} and plan.bypasses == [6] and not plan.evictions
+    c = table.stats().total()
+    assert (c.accesses, c.hits, c.misses, c.loads, c.bypasses) == (3, 0, 3, 2, 1)
+
+
+def test_repeated_experts_in_a_step_count_once():
+    table = SlotTable(1, 8, 4)
+    plan = table.step(0, [3, 3, 1, 3])
+    assert list(plan.loads) == [3, 1] and table.stats().total().accesses == 2
+
+
+def test_pinned_keys_count_against_capacity_and_stay():
+    table = SlotTable(2, 4, 3, eviction="fifo", pinned=[(1, 2), 0])
+    assert table.pinned == {6, 0} and table.resident() == {6: 0, 0: 1}
+    for e in (1, 2, 3, 1, 2, 3):
+        plan = table.step(0, [e])
+        assert not set(plan.evictions) & {0, 6}
+    assert table.step(1, [2]).hits == {6: 0}
+    assert table.step(0, [0]).hits == {0: 1}
+
+
+def test_static_policy_pins_through_the_table():
+    table = SlotTable(2, 4, 4, eviction="static", eviction_params={"keys": [1, 5]}, partition="per-layer")
+    assert table.resident() == {1: 0, 5: 2}  # each pinned key in its own layer's partition
+
+
+def test_seed_preloads_evictable_keys_without_counting():
+    table = SlotTable(1, 8, 2, eviction="lru")
+    assert table.seed([5, (0, 6), 7]).loads == {5: 0, 6: 1}  # 7 does not fit: skipped
+    assert table.stats().total().accesses == 0
+    assert table.step(0, [6]).hits == {6: 1}
+    assert table.step(0, [1]).evictions == {5: 0}
+
+
+def test_stats_are_kept_per_phase_and_layer():
+    table = SlotTable(2, 4, 4)
+    table.step(0, [0, 1], phase="prefill")
+    table.step(0, [0, 2])
+    table.step(1, [3], phase=PREFILL)
+    s = table.stats()
+    assert s.layer(0, PREFILL).accesses == 2 and s.layer(0, PREFILL).hits == 0
+    assert s.layer(0, DECODE).hits == 1 and s.layer(0, DECODE).misses == 1
+    assert s.total(PREFILL).accesses == 3 and s.total().accesses == 5
+    d = s.to_dict()
+    assert d["decode"]["hit_rate"] == 0.5 and d["layers"][1]["prefill"]["loads"] == 1
+    table.reset_stats()
+    assert table.stats().total().accesses == 0 and table.slot_of(3 + 4) is not None
+
+
+def test_belady_without_the_future_refuses_clearly():
+    table = SlotTable(1, 4, 2, eviction="belady")
+    with pytest.raises(ValueError, match="offline oracle.*future"):
+        table.step(0, [0])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(slots=7, top_k=8), "capacity below top-k.*at least 8"),
+    (dict(slots=8, top_k=3, partition="per-layer"), "capacity below top-k.*each layer.*at least 12"),
+    (dict(slots=3, partition="per-layer"), "no slot per layer.*at least 4"),
+    (dict(slots=8, partition="ring"), "unknown partition 'ring'"),
+    (dict(slots=8, top_k=20), "top_k=20 exceeds num_experts=16"),
+    (dict(slots=0), "slots must be a positive whole number"),
+    (dict(slots="8"), "slots must be a positive whole number"),
+    (dict(slots=8, pinned=[(4, 0)]), "layer 4, expert 0"),
+    (dict(slots=8, pinned=[64]), "out of range 0..63"),
+    (dict(slots=2, pinned=[0, 1, 2]), "too many pinned experts"),
+    (dict(slots=8, eviction="static", eviction_params={"keys": "99"}), "out of range"),
+    (dict(slots=8, eviction_params={"decay": 3}), "has no parameter"),
+])
+def test_bad_construction_is_a_clear_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SlotTable(4, 16, **kwargs)
+
+
+@pytest.mark.parametrize("layer, experts, phase, match", [
+    (4, [0], 1, "layer 4 out of range 0..3"),
+    (-1, [0], 1, "layer -1 out of range"),
+    (0, [3, 16], 1, r"expert id\(s\) \[16\] out of range 0..15"),
+    (0, [-2], 1, r"\[-2\] out of range"),
+    (0, [1], "warmup", "unknown phase 'warmup'"),
+])
+def test_bad_steps_are_clear_value_errors(layer, experts, phase, match):
+    table = SlotTable(4, 16, 8)
+    with pytest.raises(ValueError, match=match):
+        table.step(layer, experts, phase)
+    assert table.stats().total().accesses == 0  # nothing half-done
+
+
+def test_num_layers_and_experts_must_be_positive():
+    with pytest.raises(ValueError, match="num_layers"):
+        SlotTable(0, 8, 8)
+    with pytest.raises(ValueError, match="num_experts"):
+        SlotTable(2, 2.5, 8)
