@@ -56,10 +56,10 @@ def tiny_model(family: str, seed: int = 0, **kwargs):
     model = tf.AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=torch.float32)
     with torch.no_grad():  # zero-initialised routers/biases would make every expert tie
         for name, p in model.named_parameters():
-            if p.ndim == 1 and ("bias" in name or "router" in name):
-                p.normal_(0, 0.5)
             if name.endswith("gate.weight") or name.endswith("router.weight"):
-                p.normal_(0, 0.5)
+                p.normal_(0, 2.0)  # strong, varied routing: tokens spread over the experts
+            elif "bias" in name and ("experts" in name or "router" in name):
+                p.normal_(0, 0.1)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0, 0.1)
