@@ -107,7 +107,8 @@ def check_table(trace: Trace, spec: PolicySpec, slots: int, partition: str,
         raise ValueError(f"unknown partition {partition!r}; use one of {', '.join(PARTITIONS)}")
     return SlotTable(trace.num_layers, trace.num_experts, slots, eviction=spec.eviction,
                      admission=spec.admission, partition=partition, top_k=trace.top_k,
-                     eviction_params=eviction_params, admission_params=admission_params)
+                     pinned=pinned, eviction_params=eviction_params,
+                     admission_params=admission_params)
 
 
 class Prepared:

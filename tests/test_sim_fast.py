@@ -1,0 +1,91 @@
+"""The numba kernels equal the SlotTable path, counter for counter (per layer and
+phase: accesses, hits, misses, loads, evictions, bypasses), on many random traces
+and on slices of the shared real traces; LRU's one-pass stack distances equal a
+SlotTable replay at every size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from expertcache.sim.replay import Prepared, lru_all_sizes, replay
+from expertcache.trace import Trace, load_trace
+
+from conftest import shared_trace  # tests/ is on sys.path (not a package)
+
+
+def random_trace(rng: np.random.Generator) -> Trace:
+    L, E = int(rng.integers(1, 5)), int(rng.integers(2, 14))
+    k, T = int(rng.integers(1, min(E, 4) + 1)), int(rng.integers(1, 50))
+    # Skewed popularity with some repeats inside a step (SlotTable drops them).
+    p = rng.dirichlet(np.full(E, 0.5))
+    ex = rng.choice(E, size=(L, T, k), p=p).astype(np.int16)
+    phase = rng.integers(0, 2, T).astype(np.uint8)
+    return Trace(ex, {"num_experts": E, "top_k": k, "n_moe_layers": L}, phase=phase)
+
+
+def sizes(trace: Trace, partition: str) -> list[int]:
+    L, E, k = trace.num_layers, trace.num_experts, trace.top_k
+    per = L if partition == "per-layer" else 1
+    caps = {k, k + 1, k + 2, (k + E) // 2, E if partition == "per-layer" else L * E}
+    return sorted(c * per for c in caps if c >= k)
+
+
+def same(a, b) -> bool:
+    return a.stats.to_dict() == b.stats.to_dict()
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "belady"])
+@pytest.mark.parametrize("partition", ["global", "per-layer"])
+def test_kernel_equals_slot_table_on_random_traces(policy, partition):
+    rng = np.random.default_rng([ord(c) for c in policy + partition])
+    for _ in range(40):
+        prep = Prepared(random_trace(rng))
+        for slots in sizes(prep.trace, partition):
+            table = replay(prep, policy, slots, partition, engine="table")
+            fast = replay(prep, policy, slots, partition, engine="fast")
+            assert fast.engine != "table"
+            assert same(table, fast), (policy, partition, slots, prep.trace.experts.tolist())
+
+
+@pytest.mark.parametrize("partition", ["global", "per-layer"])
+def test_lru_stack_distances_equal_slot_table_at_every_size(partition):
+    rng = np.random.default_rng(11 if partition == "global" else 12)
+    for _ in range(40):
+        prep = Prepared(random_trace(rng))
+        slots = sizes(prep.trace, partition)
+        for one_pass in lru_all_sizes(prep, slots, partition):
+            table = replay(prep, "lru", one_pass.slots, partition, engine="table")
+            assert same(table, one_pass), (partition, one_pass.slots, prep.trace.experts.tolist())
+
+
+def test_kernels_differ_from_each_other():
+    # Agreement must not be vacuous: the three policies give different counts here.
+    rng = np.random.default_rng(5)
+    ex = rng.choice(32, size=(3, 400, 4), p=rng.dirichlet(np.full(32, 0.3))).astype(np.int16)
+    prep = Prepared(Trace(ex, {"num_experts": 32, "top_k": 4, "n_moe_layers": 3}))
+    misses = {p: replay(prep, p, 24).misses for p in ("lru", "fifo", "belady")}
+    assert len(set(misses.values())) == 3 and misses["belady"] == min(misses.values())
+
+
+@pytest.mark.parametrize("name", ["code", "general"])
+@pytest.mark.parametrize("partition", ["global", "per-layer"])
+def test_kernels_equal_slot_table_on_real_trace_slices(name, partition):
+    prep = Prepared(load_trace(shared_trace(f"qwen3-30b-a3b-{name}.npz")).slice_tokens(150))
+    for slots in (384, 1536):
+        for one_pass in lru_all_sizes(prep, [slots], partition):
+            assert same(replay(prep, "lru", slots, partition, engine="table"), one_pass)
+        for policy in ("lru", "fifo", "belady"):
+            table = replay(prep, policy, slots, partition, engine="table")
+            assert same(table, replay(prep, policy, slots, partition, engine="fast")), (policy, slots)
+
+
+def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
+    prep = Prepared(random_trace(np.random.default_rng(3)))
+    k, L = prep.trace.top_k, prep.trace.num_layers
+    slots = (k + 1) * L
+    assert replay(prep, "lru+second-hit", slots).engine == "table"
+    assert replay(prep, "lru", slots, seed=[0]).engine == "table"
+    assert replay(prep, "lru", slots).engine == "lru-kernel"
+    with pytest.raises(ValueError, match="no fast kernel"):
+        replay(prep, "fifo+window", slots, engine="fast")
