@@ -1,0 +1,226 @@
+"""The runtime on the CPU: fixed-address slot pool, byte counters, baselines, sizing, errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tiny_moe import tiny_model  # noqa: E402
+
+import expertcache  # noqa: E402
+from expertcache.integrations.transformers import offload  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tiny_model("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(2, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _generate(model, ids, n=8):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+def _assert_same(model, reference, ids):
+    tokens, logits = _generate(model, ids)
+    ref_tokens, ref_logits = _generate(reference, ids)
+    assert (logits - ref_logits).abs().max().item() <= 1e-5
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_slot_pool_addresses_never_change(reference, ids):
+    model = offload(copy.deepcopy(reference), slots=3)
+    pool = model.expertcache.pool
+    before = pool.data_ptrs()
+    _generate(model, ids)
+    _generate(model, ids[:, :5])
+    assert model.expertcache.stats().total().evictions > 0  # slots were really rewritten
+    assert pool.data_ptrs() == before
+    # one tensor per weight kind, [cache slots + staging slots, ...]
+    assert {k: t.shape[0] for k, t in pool.tensors.items()} == {"gate_up_proj": 5, "down_proj": 5}
+
+
+def test_pool_holds_loaded_experts_bit_exactly(reference, ids):
+    model = offload(copy.deepcopy(reference), slots=5)
+    _generate(model, ids, n=3)
+    cache = model.expertcache
+    resident = cache.table.resident()
+    assert resident
+    for key, slot in resident.items():
+        layer, expert = divmod(key, cache.num_experts)
+        for kind, tensor in cache.pool.tensors.items():
+            assert torch.equal(tensor[slot], cache.hosts[layer].tensors[kind][expert])
+
+
+def test_h2d_bytes_count_loads_and_staging(reference, ids):
+    model = offload(copy.deepcopy(reference), slots=3)
+    _generate(model, ids)
+    cache, stats = model.expertcache, model.expertcache.stats()
+    total = stats.total()
+    # fetch: every load and every bypass (through a staging slot) moves one expert
+    assert stats.h2d_bytes() == (total.loads + total.bypasses) * cache.expert_bytes > 0
+    assert stats.h2d_bytes("prefill") + stats.h2d_bytes("decode") == stats.h2d_bytes()
+    assert sum(stats.h2d_bytes(layer=l) for l in range(cache.num_layers)) == stats.h2d_bytes()
+    d = stats.to_dict()
+    assert d["total"]["h2d_bytes"] == stats.h2d_bytes()
+    assert d["layers"][1]["decode"]["h2d_bytes"] == stats.h2d_bytes("decode", 1)
+    # phases: one prefill step per layer (the prompt), then one decode step per new token
+    assert stats.layer(0, "prefill").accesses == len(set(_router_choices(reference, ids)[0]))
+    model.expertcache.reset_stats()
+    assert model.expertcache.stats().total().accesses == 0 and model.expertcache.stats().h2d_bytes() == 0
+
+
+def _router_choices(model, ids):
+    """Experts each layer's router picked for the prompt, via a forward hook on the plain model."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, a, out: seen.append(out[2].flatten().tolist()))
+             for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("baseline", ["resident", "copy-every-pass", "cpu"])
+def test_baselines_are_exact_configurations(reference, ids, baseline):
+    model = offload(copy.deepcopy(reference), baseline=baseline)
+    _assert_same(model, reference, ids)
+    cache, total = model.expertcache, model.expertcache.stats().total()
+    all_experts = cache.num_layers * cache.num_experts
+    if baseline == "resident":
+        assert total.hits == total.accesses and cache.stats().h2d_bytes() == 0
+        assert cache.slot_bytes == all_experts * cache.expert_bytes
+    elif baseline == "copy-every-pass":  # nothing kept: every used expert crosses again
+        assert total.hits == 0 and total.loads == 0
+        assert cache.stats().h2d_bytes() == total.bypasses * cache.expert_bytes
+        assert cache.slot_bytes == cache.top_k * cache.expert_bytes  # staging only
+    else:
+        assert total.hits == 0 and cache.slot_bytes == 0 and cache.stats().h2d_bytes() == 0
+
+
+def test_staging_streams_a_prompt_wider_than_the_pool(reference, ids):
+    # one staging slot: the prompt's bypasses go through it in many rounds, and stay exact
+    model = offload(copy.deepcopy(reference), baseline="copy-every-pass", staging=1)
+    _assert_same(model, reference, ids)
+    assert model.expertcache.stats().total("prefill").bypasses > 2
+
+
+def test_gpu_memory_budget_sizes_the_pool(reference):
+    expert_bytes = (48 * 32 + 32 * 24) * 4  # qwen3 tiny expert: gate_up [48, 32] + down [32, 24] fp32
+    budget = 9 * expert_bytes + 100        # room for 9 experts: 2 staging + 7 cache slots
+    cache = offload(copy.deepcopy(reference), gpu_memory=budget).expertcache
+    assert cache.expert_bytes == expert_bytes
+    assert (cache.pool.slots, cache.pool.staging) == (7, cache.top_k) == (7, 2)
+    assert cache.slot_bytes == 9 * expert_bytes <= budget
+
+
+def test_from_checkpoint_directory(reference, ids, tmp_path):
+    reference.save_pretrained(tmp_path)
+    model = offload(str(tmp_path), slots=3, dtype="float32")
+    _assert_same(model, reference, ids)
+
+
+# -- bad input: each a clear error naming the problem --------------------------------
+def _error(match, **kwargs):
+    return pytest.raises((ValueError, TypeError, FileNotFoundError), match=match)
+
+
+def test_model_without_moe_layers():
+    import transformers as tf
+
+    dense = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               num_key_value_heads=2, intermediate_size=48, vocab_size=96))
+    with _error("no MoE layers"):
+        offload(dense, slots=4)
+
+
+def test_capacity_below_top_k(reference):
+    with _error("capacity below top-k"):
+        offload(copy.deepcopy(reference), slots=1)
+    with _error("capacity below top-k"):
+        offload(copy.deepcopy(reference), slots=2, partition="per-layer")
+    with _error("capacity below top-k.*gpu_memory"):
+        offload(copy.deepcopy(reference), gpu_memory="12KiB")
+
+
+def test_budget_larger_than_free_memory(reference):
+    with _error("free"):
+        offload(copy.deepcopy(reference), gpu_memory="900TiB")
+
+
+def test_missing_size_and_bad_settings(reference):
+    with _error("needs a size"):
+        offload(copy.deepcopy(reference))
+    with _error("unknown miss"):
+        offload(copy.deepcopy(reference), slots=4, miss="disk")
+    with _error("offline oracle"):
+        offload(copy.deepcopy(reference), slots=4, eviction="belady")
+    with _error("not wired"):
+        offload(copy.deepcopy(reference), config=expertcache.config.CacheConfig(slots=4, imatrix="x.gguf"))
+    with _error("8GiB"):
+        offload(copy.deepcopy(reference), gpu_memory="eight gigs")
+    model = offload(copy.deepcopy(reference), slots=4)
+    with _error("already offloaded"):
+        offload(model, slots=4)
+    with _error("transformers model or a checkpoint"):
+        offload(42, slots=4)
+
+
+def test_missing_or_incomplete_checkpoint(reference, tmp_path):
+    with _error("not found"):
+        offload(str(tmp_path / "nowhere"), slots=4)
+    (tmp_path / "a").mkdir()
+    with _error("no config.json"):
+        offload(tmp_path / "a", slots=4)
+    reference.save_pretrained(tmp_path / "b")
+    (tmp_path / "b" / "model.safetensors").unlink()
+    with _error("no weights"):
+        offload(tmp_path / "b", slots=4)
+    (tmp_path / "b" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00001-of-00002.safetensors"}}))
+    with _error("missing: model-00001-of-00002"):
+        offload(tmp_path / "b", slots=4)
+
+
+def test_unsupported_expert_layouts(reference, tmp_path):
+    fp8 = copy.deepcopy(reference)
+    experts = fp8.model.layers[0].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.data.to(torch.float8_e4m3fn),
+                                              requires_grad=False)
+    with _error("FP8 experts"):
+        offload(fp8, slots=4)
+    mx = copy.deepcopy(reference)
+    experts = mx.model.layers[1].mlp.experts
+    del experts.gate_up_proj
+    experts.gate_up_proj_blocks = torch.nn.Parameter(torch.zeros(8, 48, 2, 16, dtype=torch.uint8),
+                                                     requires_grad=False)
+    with _error("MXFP4-packed"):
+        offload(mx, slots=4)
+    reference.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with _error("MXFP4-packed"):
+        offload(tmp_path, slots=4)
+
+
+def test_import_expertcache_stays_torch_free():
+    code = "import sys, expertcache; assert 'torch' not in sys.modules; print(callable(expertcache.offload))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
