@@ -64,3 +64,17 @@ def tiny_model(family: str, seed: int = 0, **kwargs):
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0, 0.1)
     return model.eval()
+
+
+def save_checkpoint(model, path) -> None:
+    """save_pretrained the model plus a tiny word-level tokenizer (ids 2..95 for words)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>"] + [f"w{i}" for i in range(model.config.vocab_size - 2)]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="<pad>", bos_token="<s>")
+    model.save_pretrained(path)
+    fast.save_pretrained(path)

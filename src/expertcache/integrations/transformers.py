@@ -72,9 +72,9 @@ def default_device() -> torch.device:
 def find_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The experts modules in forward order (MoE-layer index = position in this list)."""
     found = [(name, m) for name, m in model.named_modules()
-             if hasattr(m, "num_experts") and any(
+             if hasattr(m, "num_experts") and (hasattr(m, "_expertcache") or any(
                  hasattr(m, kind) or hasattr(m, kind + "_blocks")
-                 for kind in ("gate_up_proj", "up_proj", "down_proj"))]
+                 for kind in ("gate_up_proj", "up_proj", "down_proj")))]
     if not found:
         raise ValueError(f"{type(model).__name__} has no MoE layers (no experts module holding fused "
                          "gate_up_proj/down_proj); expertcache needs a Mixture-of-Experts model such as "

@@ -1,0 +1,165 @@
+"""Record a live routing trace from a transformers MoE model (``expertcache trace record``).
+
+A forward hook on each MoE layer's router module captures ``(logits, top_k_weights,
+top_k_index)`` exactly as the model routed (recomputing top-k from router logits is
+wrong for DeepSeek-V3's biased, group-limited choice). Tokens of a forward with more
+than one new token are phase 0 (prompt), single-token forwards phase 1 (generation):
+the same rule the runtime uses to count prefill and decode.
+
+Live order: the runtime plans the prompt as one step per layer (the union of the
+prompt's experts, token-major, rank order) and each generated token as one step per
+layer. ``replay_live`` replays a recorded trace in that order, so a SlotTable with the
+live run's settings reproduces its hits and misses exactly. The trace's meta says so
+(``"prefill_steps": "batched"``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..cache import SlotTable
+from ..stats import PREFILL, Stats
+from .format import Trace, save_trace
+
+
+def record(model, prompt_ids, max_new_tokens: int, **generate_kwargs) -> Trace:
+    """Greedy-generate ``max_new_tokens`` after ``prompt_ids`` [1, P] and return the routing trace.
+
+    Works on a plain model and on an offloaded one (then the cache counts the same run).
+    """
+    import torch
+
+    from ..integrations.transformers import find_experts
+
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.ndim != 2 or prompt_ids.shape[0] != 1:
+        raise ValueError(f"prompt_ids must be a [1, tokens] tensor (one sequence), got "
+                         f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive whole number, got {max_new_tokens!r}")
+    experts = find_experts(model)
+    routers = [_router_of(model, name) for name, _ in experts]
+    index: list[list] = [[] for _ in routers]     # per layer: [T_forward, K] tensors
+    weights: list[list] = [[] for _ in routers]
+    phases: list[np.ndarray] = []
+    hooks = [r.register_forward_hook(_capture(index[i], weights[i])) for i, r in enumerate(routers)]
+    hooks.append(model.register_forward_pre_hook(_phase_capture(phases), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model.generate(prompt_ids.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                           **generate_kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    ex = np.stack([torch.cat(rows).cpu().numpy() for rows in index]).astype(np.int16)       # [L, T, K]
+    wt = np.stack([torch.cat(rows).float().cpu().numpy() for rows in weights]).astype(np.float16)
+    return Trace(ex, _meta(model, experts, ex), wt, np.concatenate(phases).astype(np.uint8))
+
+
+def _router_of(model, experts_name: str):
+    parent = model.get_submodule(experts_name.rpartition(".")[0])
+    for attr in ("gate", "router"):
+        router = getattr(parent, attr, None)
+        if router is not None and hasattr(router, "top_k"):
+            return router
+    raise ValueError(f"{experts_name}: no router module (gate/router with top_k) next to the experts; "
+                     "recording needs the router's output")
+
+
+def _capture(index_rows: list, weight_rows: list):
+    def hook(module, args, out):
+        # every supported router returns (logits, top_k_weights, top_k_index), [T, K] each
+        weight_rows.append(out[1].detach())
+        index_rows.append(out[2].detach())
+    return hook
+
+
+def _phase_capture(phases: list):
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        n = ids.shape[1]
+        phases.append(np.full(n, 0 if n > 1 else 1, dtype=np.uint8))
+    return hook
+
+
+def _meta(model, experts, ex: np.ndarray) -> dict:
+    module = experts[0][1]
+    cache = getattr(model, "expertcache", None)
+    if cache is not None:
+        expert_bytes = cache.expert_bytes
+    else:
+        expert_bytes = sum(p[0].numel() * p.element_size() for p in module.parameters(recurse=False))
+    return {"model": str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
+            "num_experts": int(module.num_experts), "top_k": int(ex.shape[2]),
+            "n_moe_layers": int(ex.shape[0]), "expert_bytes": int(expert_bytes),
+            "prefill_steps": "batched", "source": "expertcache trace record"}
+
+
+def replay_live(trace: Trace, table: SlotTable) -> Stats:
+    """Step ``table`` in the runtime's order: the leading prompt tokens as one step per
+    layer (union, token-major, rank order), then one step per token per layer."""
+    phases = trace.phases
+    prompt = int(np.argmax(phases != PREFILL)) if (phases != PREFILL).any() else len(phases)
+    rows = trace.experts.tolist()  # [L][T][K]
+    if prompt:
+        for layer in range(trace.num_layers):
+            union = dict.fromkeys(e for tok in rows[layer][:prompt] for e in tok)
+            table.step(layer, list(union), PREFILL)
+    for t in range(prompt, trace.num_tokens):
+        for layer in range(trace.num_layers):
+            table.step(layer, rows[layer][t], int(phases[t]))
+    return table.stats()
+
+
+def run_record(args) -> int:
+    """``expertcache trace record MODEL (--prompt TEXT | --prompt-file F) --max-new-tokens N -o OUT``."""
+    from ..integrations.transformers import check_checkpoint_dir, load_checkpoint
+
+    prompt = _prompt_text(args)
+    path = Path(args.model)
+    check_checkpoint_dir(path)
+    tokenizer = _tokenizer(path)
+    model = load_checkpoint(path, None).eval()
+    device = getattr(args, "device", None)
+    if device:
+        model.to(device)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    trace = record(model, ids, int(args.max_new_tokens))
+    out = save_trace(trace, _output(args))
+    print(f"wrote {out}: {trace.num_layers} MoE layers x {trace.num_tokens} tokens "
+          f"({int((trace.phases == PREFILL).sum())} prompt), top-{trace.top_k} of {trace.num_experts}")
+    return 0
+
+
+def _prompt_text(args) -> str:
+    text, file = getattr(args, "prompt", None), getattr(args, "prompt_file", None)
+    if (text is None) == (file is None):
+        raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if file is not None:
+        file = Path(file)
+        if not file.is_file():
+            raise FileNotFoundError(f"prompt file not found: {file}")
+        text = file.read_text()
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    return text
+
+
+def _output(args) -> Path:
+    out = getattr(args, "output", None) or getattr(args, "o", None) or getattr(args, "out", None)
+    if not out:
+        raise ValueError("give the output trace file with -o trace.npz")
+    return Path(out)
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: no usable tokenizer in the checkpoint directory ({err}); "
+                         "save one next to the weights (tokenizer.save_pretrained)") from None
