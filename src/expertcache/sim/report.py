@@ -58,7 +58,8 @@ def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
 def document(trace: Trace, table: list[dict], hw: Hardware, miss_path: str,
              cost: ExpertCost | None) -> dict:
     """The whole ``--json`` document."""
+    used = chosen_path(cost, hw, miss_path) if cost else None
     return {"trace": trace.summary(), "results": table,
-            "cost_model": {"hardware": hw.name, "miss_path": miss_path,
+            "cost_model": {"hardware": hw.name, "miss_path": miss_path, "miss_path_used": used,
                            "expert_bytes": cost.expert_bytes if cost else None,
                            "expert_flops": cost.expert_flops if cost else None}}
