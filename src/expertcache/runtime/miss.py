@@ -57,5 +57,5 @@ def cpu_experts(module: torch.nn.Module, host: HostExperts, experts: list[int],
         tok_idx = torch.tensor(tok)
         y = one_expert(module, hidden.index_select(0, tok_idx), host.expert(expert))  # [N, H]
         y = y * weights[tok_idx, torch.tensor(rank)].unsqueeze(-1).to(y.dtype)
-        out.index_add_(0, tok_idx, y.to(out.dtype))
+        out[tok_idx] += y.to(out.dtype)  # a token meets an expert once: indices are unique
     return out
