@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "probe")
+COMMANDS = ("policies", "imatrix", "sim", "probe", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,121 @@
+"""``expertcache trace``: import, synthesise, inspect and record routing traces."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("trace", help="import, synthesise, inspect or record routing traces",
+                            description="Routing traces (.npz): the simulator's input.")
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+    tsub = parser.add_subparsers(dest="trace_command", metavar="ACTION")
+
+    p = tsub.add_parser("import", help="convert a route_trace CSV or JSONL log to .npz")
+    p.add_argument("--format", required=True, choices=("route-csv", "jsonl"), dest="fmt")
+    p.add_argument("input", metavar="IN")
+    p.add_argument("output", metavar="OUT.npz")
+    p.add_argument("--num-experts", type=int, help="jsonl: experts per layer (else from a meta line, "
+                   "else max id + 1)")
+    p.add_argument("--model", help="jsonl: model name for meta")
+    p.set_defaults(func=_import)
+
+    p = tsub.add_parser("synth", help="write a synthetic trace calibrated to a model preset")
+    from ..trace.profiles import FITTED
+    p.add_argument("--preset", required=True, choices=sorted(FITTED))
+    p.add_argument("--tokens", type=int, default=8000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", type=int, default=0, help="the first N tokens are prompt (phase 0)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.npz")
+    p.set_defaults(func=_synth)
+
+    p = tsub.add_parser("info", help="summary and per-layer locality of a trace")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", metavar="OUT", help="also write the figures as JSON ('-' for stdout)")
+    p.set_defaults(func=_info)
+
+    p = tsub.add_parser("record", help="run a Hugging Face MoE model and record its routing")
+    p.add_argument("model", metavar="MODEL", help="local checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--device", default=None, help="torch device to run on, e.g. cuda (default: where the model loads, the CPU)")
+    p.add_argument("-o", "--output", required=True, metavar="trace.npz")
+    p.set_defaults(func=_record)
+
+
+def _import(args) -> int:
+    from ..trace import save_trace
+    from ..trace.importers import import_trace
+    options = {}
+    if args.fmt == "jsonl":
+        options = {"num_experts": args.num_experts, "model": args.model}
+    elif args.num_experts or args.model:
+        raise ValueError("--num-experts and --model apply to --format jsonl; route-csv reads them "
+                         "from its header")
+    result = import_trace(args.input, args.fmt, **options)
+    trace = result.trace
+    save_trace(trace, args.output)
+    print(f"wrote {args.output}: {trace.num_tokens} tokens x {trace.num_layers} layers, top-{trace.top_k} "
+          f"of {trace.num_experts} experts ({result.records} records read)")
+    if result.dropped:
+        print(f"dropped {result.dropped} incomplete token(s): their records do not cover all "
+              f"{trace.num_layers} layers x top-{trace.top_k}")
+    if trace.meta.get("num_experts_inferred"):
+        print(f"note: num_experts={trace.num_experts} inferred as max id + 1; pass --num-experts "
+              "if the model has more", file=sys.stderr)
+    return 0
+
+
+def _synth(args) -> int:
+    from ..trace import save_trace
+    from ..trace.synth import synth_trace
+    trace = synth_trace(args.preset, args.tokens, seed=args.seed, prompt=args.prompt)
+    save_trace(trace, args.output)
+    print(f"wrote {args.output}: {args.preset}, {trace.num_tokens} tokens x {trace.num_layers} "
+          f"layers, top-{trace.top_k} of {trace.num_experts}, seed {args.seed}")
+    return 0
+
+
+def _info(args) -> int:
+    from ..trace import load_trace
+    from ..trace.locality import locality, top_share
+    trace = load_trace(args.file)
+    stats = locality(trace)
+    stats["top1_share"] = top_share(trace.experts, trace.num_experts, 1)
+    phases = trace.phases
+    summary = {**trace.summary(), "prompt_tokens": int((phases == 0).sum()),
+               "generated_tokens": int((phases == 1).sum()),
+               "chance_lag1_reuse": trace.top_k / trace.num_experts}
+    if args.json:
+        doc = {"trace": summary, "layers": {k: [round(float(x), 4) for x in v] for k, v in stats.items()}}
+        text = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(text)
+            return 0
+        with open(args.json, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    for key, value in summary.items():
+        print(f"{key:>20}: {value}")
+    names = [k for k in ("lag1_reuse", "top8_share", "top1_share") if k in stats]
+    print("\n layer " + " ".join(f"{n:>11}" for n in names))
+    for layer in range(trace.num_layers):
+        print(f"{layer:6d} " + " ".join(f"{stats[n][layer]:11.3f}" for n in names))
+    print("  mean " + " ".join(f"{np.mean(stats[n]):11.3f}" for n in names))
+    return 0
+
+
+def _record(args) -> int:
+    try:
+        from ..trace.record import run_record
+    except ModuleNotFoundError as err:
+        if err.name and err.name.startswith(("expertcache", "torch", "transformers")):
+            raise ValueError(f"trace record needs the runtime (torch and transformers: "
+                             f"pip install 'expertcache[torch]'); missing module {err.name}") from None
+        raise
+    return run_record(args)
+
