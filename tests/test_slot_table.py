@@ -130,3 +130,34 @@ def test_num_layers_and_experts_must_be_positive():
         SlotTable(0, 8, 8)
     with pytest.raises(ValueError, match="num_experts"):
         SlotTable(2, 2.5, 8)
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo"])
+def test_key_only_hooks_change_nothing(name):
+    # LRU/FIFO hand the table C-level hooks; a subclass that overrides a hook opts out and
+    # goes through the methods. Both paths must give the same plans, step for step.
+    import random
+
+    from expertcache.policies.registry import eviction_class, register
+    from expertcache.policies import registry
+
+    base = eviction_class(name)
+
+    class Slow(base):
+        name = f"test-slow-{base.name}"
+
+        def on_access(self, key, now):
+            super().on_access(key, now)
+
+    register(Slow)
+    try:
+        fast = SlotTable(2, 8, 5, eviction=name, pinned=[3])
+        slow = SlotTable(2, 8, 5, eviction=Slow.name, pinned=[3])
+        assert fast._parts[0].hooks != (None, None) and slow._parts[0].hooks == (None, None)
+        rng = random.Random(1)
+        for _ in range(400):
+            layer, experts = rng.randrange(2), rng.sample(range(8), rng.randint(1, 4))
+            a, b = fast.step(layer, experts), slow.step(layer, experts)
+            assert (a.hits, a.loads, a.evictions, a.bypasses) == (b.hits, b.loads, b.evictions, b.bypasses)
+    finally:
+        registry._EVICTION.pop(Slow.name)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .keys import ExpertKey
+from .policies.admission import Always
+from .policies.base import NOTHING
 from .policies.registry import make_admission, make_eviction
 from .stats import DECODE, FIELDS, Stats, phase_code
 
@@ -38,12 +40,17 @@ class Plan:
 class _Partition:
     """A share of the slots with its own eviction and admission policy."""
 
-    __slots__ = ("start", "capacity", "free", "policy", "admission")
+    __slots__ = ("start", "capacity", "free", "policy", "admission", "hooks", "record", "admit")
 
     def __init__(self, start: int, capacity: int, policy, admission) -> None:
         self.start, self.capacity = start, capacity
         self.free = list(range(start + capacity - 1, start - 1, -1))  # pop() gives lowest first
         self.policy, self.admission = policy, admission
+        # (on_access, on_insert) as callables of the key alone, None = call the method.
+        self.hooks = policy.key_only_hooks() or (None, None)
+        # None where the call can be skipped: admission that records nothing / admits all.
+        self.record = admission.record if admission.records else None
+        self.admit = None if type(admission).admit is Always.admit else admission.admit
 
 
 class SlotTable:
@@ -80,7 +87,7 @@ class SlotTable:
                                else self._parts)
         self.needs_future = self._parts[0].policy.needs_future
         self._future_bound = False
-        self._records = self._parts[0].admission.records
+        self._expert_ids = frozenset(range(num_experts))  # valid expert ids, for one-call checks
         self._slot_of: dict[int, int] = {}
         self._key_of: list[int | None] = [None] * slots
         self._pinned: set[int] = set()
@@ -191,57 +198,72 @@ class SlotTable:
             raise ValueError(f"layer {layer} out of range 0..{self.num_layers - 1}")
         if phase != DECODE:
             phase = phase_code(phase)
-        experts = list(dict.fromkeys(experts))  # dedupe, keep rank order
-        if experts and (min(experts) < 0 or max(experts) >= self.num_experts):
-            bad = [e for e in experts if not 0 <= e < self.num_experts]
+        unique = dict.fromkeys(experts)  # dedupe, keep rank order (one C call, no list)
+        if not self._expert_ids.issuperset(unique):
+            bad = [e for e in unique if e not in self._expert_ids]
             raise ValueError(f"expert id(s) {bad} out of range 0..{self.num_experts - 1} at layer {layer}")
-        return self._step(layer, experts, phase)
+        return self._step(layer, unique, phase)
 
-    def _step(self, layer: int, experts: list[int], phase: int) -> Plan:
+    def _step(self, layer: int, experts: dict[int, None], phase: int) -> Plan:
+        # ``experts``: unique ids in rank order. The hot path: attributes are bound to
+        # locals once per step, the protected set is built only when a victim is needed,
+        # counters come from the plan's sizes (a step's keys are unique), admission is
+        # skipped when it is plain ``always``, and policies that ignore ``now`` may hand
+        # over C-level callables (``key_only_hooks``). The order of calls is unchanged:
+        # keys in rank order, record before admit, a victim only when the partition is full.
         plan = Plan()
+        hits, loads, evictions, bypasses = plan.hits, plan.loads, plan.evictions, plan.bypasses
         part = self._part_of_layer[layer]
-        policy, admission = part.policy, part.admission
-        slot_of, pinned, now = self._slot_of, self._pinned, self._now
+        policy, free = part.policy, part.free
+        access_key, insert_key = part.hooks
+        record, admit = part.record, part.admit
+        slot_of, key_of, pinned, now = self._slot_of, self._key_of, self._pinned, self._now
         layer_now = self._layer_now[layer]
         base = layer * self.num_experts
-        keys = [base + e for e in experts]
-        protected = set(keys)
-        hits = loads = evictions = bypasses = 0
-        for key in keys:
-            if self._records:
-                admission.record(key, layer_now)
+        protected = None
+        for e in experts:
+            key = base + e
+            if record is not None:
+                record(key, layer_now)
             slot = slot_of.get(key)
             if slot is not None:
-                hits += 1
-                plan.hits[key] = slot
+                hits[key] = slot
                 if key not in pinned:
-                    policy.on_access(key, now)
+                    if access_key is None:
+                        policy.on_access(key, now)
+                    elif access_key is not NOTHING:
+                        access_key(key)
                 continue
-            victim = None if part.free else policy.victim(protected)
-            if (victim is None and not part.free) or not admission.admit(key, victim):
-                bypasses += 1
-                plan.bypasses.append(key)
-                continue
-            if victim is None:
-                slot = part.free.pop()
+            if free:
+                if admit is not None and not admit(key, None):
+                    bypasses.append(key)
+                    continue
+                slot = free.pop()
             else:
+                if protected is None:
+                    protected = {base + x for x in experts}
+                victim = policy.victim(protected)
+                if victim is None or (admit is not None and not admit(key, victim)):
+                    bypasses.append(key)
+                    continue
                 slot = slot_of.pop(victim)
                 policy.on_remove(victim)
-                plan.evictions[victim] = slot
-                evictions += 1
+                evictions[victim] = slot
             slot_of[key] = slot
-            self._key_of[slot] = key
-            policy.on_insert(key, now)
-            plan.loads[key] = slot
-            loads += 1
+            key_of[slot] = key
+            if insert_key is None:
+                policy.on_insert(key, now)
+            else:
+                insert_key(key)
+            loads[key] = slot
         row = self._counts[phase][layer]
-        n = len(keys)
+        n, h = len(experts), len(hits)
         row[0] += n
-        row[1] += hits
-        row[2] += n - hits
-        row[3] += loads
-        row[4] += evictions
-        row[5] += bypasses
+        row[1] += h
+        row[2] += n - h
+        row[3] += len(loads)
+        row[4] += len(evictions)
+        row[5] += len(bypasses)
         self._now = now + 1
         self._layer_now[layer] = layer_now + 1
         return plan

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import EvictionPolicy
+from .base import NOTHING
 from .lru import LRU
 from .registry import register
 
@@ -14,3 +14,9 @@ class FIFO(LRU):
 
     def on_access(self, key: int, now: int) -> None:
         pass
+
+    def key_only_hooks(self):
+        cls = type(self)
+        if cls.on_access is FIFO.on_access and cls.on_insert is LRU.on_insert:
+            return NOTHING, self._order.setdefault
+        return None

@@ -31,3 +31,11 @@ class LRU(EvictionPolicy):
             if key not in protected:
                 return key
         return None
+
+    def key_only_hooks(self):
+        # OrderedDict's own methods do what on_access / on_insert do, minus a Python
+        # call per access (the table's hot path). Subclasses that override a hook opt out.
+        cls = type(self)
+        if cls.on_access is LRU.on_access and cls.on_insert is LRU.on_insert:
+            return self._order.move_to_end, self._order.setdefault
+        return None
