@@ -112,6 +112,27 @@ def run_study(code, general, log=print) -> list[dict]:
     return rows
 
 
+def warmup(code, general, lengths=(32, 128), fraction: float = 0.125) -> list[dict]:
+    """Cold start: hit rate over only the first N replayed tokens (global pool), where a
+    seed's head start is not yet diluted by thousands of steady-state tokens."""
+    half = code.num_tokens // 2
+    pairs = [("code[:h]->code[h:]", _tokens(code, 0, half), _tokens(code, half, code.num_tokens)),
+             ("general[:h]->general[h:]", _tokens(general, 0, half),
+              _tokens(general, half, general.num_tokens)),
+             ("code->general", code, general)]
+    rows = []
+    for name, source, target in pairs:
+        counts = trace_counts(source)
+        slots = round(fraction * target.num_layers * target.num_experts)
+        for n in lengths:
+            head = target.slice_tokens(n)
+            rates = {label: replay(head, slots, "global", mode, counts, share)["hit_rate"]
+                     for label, mode, share in (("none", "none", None), ("seed", "seed", None),
+                                                ("pin50", "pin", 0.5))}
+            rows.append({"scenario": name, "tokens": n, "slots": slots, **rates})
+    return rows
+
+
 def _line(row: dict) -> str:
     return (f"{row['scenario']:<26} {row['fraction']:>6.3f} {row['partition']:<9} {row['mode']:<6} "
             f"hit {row['hit_rate']:.4f}  placed {row['placed']:>4}  plan share {row['plan_share_replayed']:.3f}")
@@ -172,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", type=Path, default=TRACES, help="folder with the shared Qwen3 traces")
     p.add_argument("--tokens", type=int, help="replay only the first N tokens of each trace")
     p.add_argument("--json", type=Path, help="also write the rows and the machine as JSON")
+    p.add_argument("--only", choices=("replays", "warmup", "mixtral"),
+                   help="run one part (default: all three)")
     args = p.parse_args(argv)
     paths = [args.traces / f"qwen3-30b-a3b-{name}.npz" for name in ("code", "general")]
     missing = [str(x) for x in paths if not x.exists()]
@@ -182,12 +205,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens:
         code, general = code.slice_tokens(args.tokens), general.slice_tokens(args.tokens)
     t0 = time.perf_counter()
-    rows = run_study(code, general)
-    print()
-    print(table_markdown(rows))
-    info = {"machine": machine(), "tokens": code.num_tokens, "seconds": round(time.perf_counter() - t0, 1),
-            "command": "python benchmarks/imatrix_study.py " + " ".join(argv or sys.argv[1:]), "rows": rows}
-    info["mixtral"] = mixtral_transfer(args.traces / "mixtral-popularity")
+    info = {"machine": machine(), "tokens": code.num_tokens,
+            "command": "python benchmarks/imatrix_study.py " + " ".join(argv or sys.argv[1:])}
+    if args.only in (None, "replays"):
+        info["rows"] = run_study(code, general)
+        print()
+        print(table_markdown(info["rows"]))
+    if args.only in (None, "warmup"):
+        info["warmup"] = warmup(code, general)
+        for row in info["warmup"]:
+            print(f"warm-up {row['scenario']:<26} first {row['tokens']:>4} tokens, {row['slots']} slots: "
+                  f"none {row['none']:.4f}  seed {row['seed']:.4f}  pin50 {row['pin50']:.4f}")
+    info["mixtral"] = mixtral_transfer(args.traces / "mixtral-popularity") if args.only in (None, "mixtral") else []
+    info["seconds"] = round(time.perf_counter() - t0, 1)
     for row in info["mixtral"]:
         print(f"mixtral popularity, plan of {row['experts']} experts ({row['fraction']:.1%}): covers "
               f"{row['self']:.3f} of its own subject, {row['cross_mean']:.3f} of another "
