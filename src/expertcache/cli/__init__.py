@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "probe", "trace")
+COMMANDS = ("policies", "imatrix", "sim", "probe", "trace", "generate")
 
 
 def build_parser() -> argparse.ArgumentParser:

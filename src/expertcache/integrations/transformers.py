@@ -157,3 +157,14 @@ def _check_weight_files(path: Path) -> None:
     if not any((path / n).is_file() for n in ("model.safetensors", "pytorch_model.bin")):
         raise ValueError(f"incomplete checkpoint {path}: no weights (model.safetensors, "
                          "model.safetensors.index.json or pytorch_model.bin)")
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved next to a local checkpoint (nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: no usable tokenizer in the checkpoint directory ({err}); "
+                         "save one next to the weights (tokenizer.save_pretrained)") from None

@@ -116,12 +116,12 @@ def replay_live(trace: Trace, table: SlotTable) -> Stats:
 
 def run_record(args) -> int:
     """``expertcache trace record MODEL (--prompt TEXT | --prompt-file F) --max-new-tokens N -o OUT``."""
-    from ..integrations.transformers import check_checkpoint_dir, load_checkpoint
+    from ..integrations.transformers import check_checkpoint_dir, load_checkpoint, load_tokenizer
 
     prompt = _prompt_text(args)
     path = Path(args.model)
     check_checkpoint_dir(path)
-    tokenizer = _tokenizer(path)
+    tokenizer = load_tokenizer(path)
     model = load_checkpoint(path, None).eval()
     device = getattr(args, "device", None)
     if device:
@@ -153,13 +153,3 @@ def _output(args) -> Path:
     if not out:
         raise ValueError("give the output trace file with -o trace.npz")
     return Path(out)
-
-
-def _tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: no usable tokenizer in the checkpoint directory ({err}); "
-                         "save one next to the weights (tokenizer.save_pretrained)") from None
