@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,7 +69,7 @@ class Trace:
 
     def slice_tokens(self, stop: int) -> Trace:
         """The first ``stop`` tokens (for quick runs on long traces)."""
-        cut = lambda a: None if a is None else a[..., :stop]  # noqa: E731
+        cut = lambda a: None if a is None else a[:, :stop].copy()  # noqa: E731  [L, T, K]: cut T
         return Trace(self.experts[:, :stop].copy(), dict(self.meta), cut(self.weights),
                      None if self.phase is None else self.phase[:stop].copy())
 
@@ -110,13 +111,21 @@ def validate(trace: Trace, where: str = "trace") -> None:
     if trace.weights is not None:
         if trace.weights.shape != ex.shape:
             raise TraceError(f"{where}: 'weights' has shape {trace.weights.shape}, expected {ex.shape} like 'experts'")
+        if not np.issubdtype(trace.weights.dtype, np.number):
+            raise TraceError(f"{where}: 'weights' must hold numbers, got dtype {trace.weights.dtype}")
         trace.weights = trace.weights.astype(np.float16, copy=False)
+        if not np.isfinite(trace.weights).all():
+            bad = np.argwhere(~np.isfinite(trace.weights))[0]
+            raise TraceError(f"{where}: 'weights' has a non-finite value at layer {bad[0]}, token "
+                             f"{bad[1]}, rank {bad[2]} (or exceeds float16's range)")
     if trace.phase is not None:
         ph = np.asarray(trace.phase)
         if ph.shape != (T,):
             raise TraceError(f"{where}: 'phase' has shape {ph.shape}, expected ({T},): one per token")
         if ph.size and not np.isin(ph, (0, 1)).all():
-            raise TraceError(f"{where}: 'phase' must be 0 (prompt) or 1 (generation)")
+            t = int(np.flatnonzero(~np.isin(ph, (0, 1)))[0])
+            raise TraceError(f"{where}: 'phase' must be 0 (prompt) or 1 (generation); token {t} "
+                             f"has {ph[t].item()!r}")
         trace.phase = ph.astype(np.uint8, copy=False)
 
 
@@ -125,11 +134,13 @@ def load_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file not found: {path}")
+    _check_archive(path)
     try:
         with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as err:
-        raise TraceError(f"{path}: not a readable .npz trace (truncated or corrupt?): {err}") from None
+            arrays = {name: _read_member(data, name, path) for name in data.files}
+    except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as err:
+        raise TraceError(f"{path}: corrupt .npz trace, an array cannot be read (truncated or "
+                         f"damaged?): {err}") from None
     if "experts" not in arrays:
         raise TraceError(f"{path}: no 'experts' array (found: {', '.join(arrays) or 'nothing'}); "
                          "a trace needs experts int16 [layers, tokens, top_k]")
@@ -139,6 +150,33 @@ def load_trace(path: str | Path) -> Trace:
         meta.setdefault("n_moe_layers", ex.shape[0])
         meta.setdefault("top_k", ex.shape[2])
     return _build(arrays, meta, str(path))
+
+
+def _check_archive(path: Path) -> None:
+    """Name the common ways a file is not a .npz before numpy gives a vaguer error."""
+    with open(path, "rb") as fh:
+        head = fh.read(6)
+    if not head:
+        raise TraceError(f"{path}: file is empty (0 bytes); a trace is a .npz archive")
+    if head.startswith(b"\x93NUMPY"):
+        raise TraceError(f"{path}: a single .npy array, not a .npz archive; save 'experts' and "
+                         "'meta' together with save_trace (or np.savez)")
+    if not zipfile.is_zipfile(path):
+        if head.startswith(b"PK"):
+            raise TraceError(f"{path}: truncated .npz: it starts like a zip archive but the "
+                             "directory at its end is missing (an interrupted copy or write?)")
+        raise TraceError(f"{path}: not a .npz archive (no zip signature); write traces with "
+                         "save_trace or np.savez")
+
+
+def _read_member(data, name: str, path: Path) -> np.ndarray:
+    try:
+        return data[name]
+    except ValueError as err:
+        if "pickle" in str(err) or "Object arrays" in str(err):
+            raise TraceError(f"{path}: array {name!r} holds Python objects; trace arrays must be "
+                             "plain numeric arrays and 'meta' a JSON string") from None
+        raise TraceError(f"{path}: array {name!r} cannot be read: {err}") from None
 
 
 def _build(arrays: dict, meta: dict, where: str) -> Trace:
