@@ -1,5 +1,8 @@
-"""LRU, FIFO and Belady agree exactly with libCacheSim on traces of one key per
-step, where the two semantics coincide (no step protection is needed)."""
+"""LRU, FIFO, Belady and LFU (aging off) agree exactly with libCacheSim on traces
+of one key per step, where the two semantics coincide (no step protection is
+needed). ARC and S3-FIFO are not compared: their published variants differ in
+details (ARC's target adapts before the eviction there; libCacheSim's S3-FIFO
+has its own thresholds), so agreement would not be expected."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from expertcache import SlotTable  # noqa: E402
 from expertcache.policies.belady import Future  # noqa: E402
 
 INT64_MAX = (1 << 63) - 1
-REFERENCE = {"lru": libcachesim.LRU, "fifo": libcachesim.FIFO, "belady": libcachesim.Belady}
+REFERENCE = {"lru": libcachesim.LRU, "fifo": libcachesim.FIFO, "belady": libcachesim.Belady,
+             "lfu": libcachesim.LFU}
+PARAMS = {"lfu": {"decay": 10**9}}  # plain in-cache LFU, as libCacheSim's (ties: least recent)
 
 
 def next_access(seq: list[int]) -> list[int]:
@@ -35,7 +40,7 @@ def libcachesim_hits(policy: str, seq: list[int], capacity: int) -> int:
 
 
 def table_hits(policy: str, seq: list[int], experts: int, capacity: int) -> int:
-    table = SlotTable(1, experts, capacity, eviction=policy)
+    table = SlotTable(1, experts, capacity, eviction=policy, eviction_params=PARAMS.get(policy))
     if policy == "belady":
         table.bind_future(Future([[k] for k in seq]))
     for key in seq:
@@ -62,8 +67,8 @@ def test_agrees_with_libcachesim_on_random_traces(policy):
 
 
 def test_policies_differ_on_this_workload():
-    # Agreement must not be vacuous: the three policies give different hit counts here.
+    # Agreement must not be vacuous: the policies give different hit counts here.
     rng = random.Random(7)
     seq = skewed_sequence(rng, 30, 2000)
     hits = {p: libcachesim_hits(p, seq, 8) for p in REFERENCE}
-    assert len(set(hits.values())) == 3 and hits["belady"] == max(hits.values())
+    assert len(set(hits.values())) == len(REFERENCE) and hits["belady"] == max(hits.values())
