@@ -14,8 +14,8 @@ import pytest
 from expertcache import EvictionPolicy, SlotTable
 from expertcache.cli import main as cli_main
 from expertcache.policies import registry
-from expertcache.policies.registry import (admission_policies, eviction_policies, make_admission,
-                                           make_eviction, parse_spec, register)
+from expertcache.policies.registry import (eviction_policies, make_admission, make_eviction,
+                                           parse_spec, register)
 
 PLUGIN_PKG = Path(__file__).parent / "plugin_pkg"
 

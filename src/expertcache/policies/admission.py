@@ -39,11 +39,13 @@ class SecondHit(AdmissionPolicy):
         if ghost < 1:
             raise ValueError("parameter 'ghost' of policy 'second-hit' must be at least 1")
         self.ghost_size = ghost
-        self._ghost: OrderedDict[int, None] = OrderedDict()  # keys missed once, oldest first
+        # Recently seen keys, oldest first. Hits are recorded too (the table calls record
+        # for every access), so a key evicted soon after a hit is readmitted at once.
+        self._ghost: OrderedDict[int, None] = OrderedDict()
         self._seen_before = False
 
     def record(self, key: int, now: int) -> None:
-        # Remember whether this access had been missed before, then note it.
+        # Remember whether this key was seen before this access, then note it.
         self._seen_before = key in self._ghost
         if self._seen_before:
             self._ghost.move_to_end(key)
