@@ -36,6 +36,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="model preset for expert size and FLOPs (see presets)")
     p.add_argument("--workers", type=int, help="processes for SlotTable replays (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed for synth:PRESET traces")
+    p.add_argument("--imatrix", metavar="FILE", help="expert counts (imatrix .gguf, trace, popularity "
+                   "JSON, .npy) whose placement plan is pinned or seeded first (docs/imatrix.md)")
+    p.add_argument("--imatrix-mode", default="pin", choices=("pin", "seed"),
+                   help="pin: never evicted (default: at most half the cache); seed: preloaded, evictable")
+    p.add_argument("--imatrix-slots", type=int, metavar="N", help="slots the plan may take")
     p.set_defaults(func=run)
 
 
@@ -62,9 +67,16 @@ def run(args) -> int:
         fractions = _numbers(args.fraction or "0.125,0.25", float, "--fraction")
         slots = [slots_for_fraction(trace, f) for f in fractions]
     prep = Prepared(trace)
-    with _progress(len(policies) * len(slots)) as tick:
-        results = sweep(prep, policies, slots, args.partition, workers=args.workers, progress=tick)
-    opt = {r.slots: r.misses for r in results if (r.policy, r.admission) == ("belady", "always")}
+    if args.imatrix:  # placement changes every replay, so no shared sweep kernels
+        from ..imatrix.simulate import imatrix_replays
+        results = imatrix_replays(prep, policies, slots, args.partition, args.imatrix,
+                                  args.imatrix_mode, args.imatrix_slots)
+    else:
+        with _progress(len(policies) * len(slots)) as tick:
+            results = sweep(prep, policies, slots, args.partition, workers=args.workers,
+                            progress=tick)
+    opt = {r.slots: r.misses for r in results  # a pinned belady is no longer the optimum
+           if (r.policy, r.admission) == ("belady", "always") and not args.imatrix}
     opt = opt or optimum_misses(prep, slots, args.partition)
     table = rows(trace, results, opt, cost, hw, args.miss_path)
     _print_table(trace, table, hw.name, cost is not None)
