@@ -161,3 +161,12 @@ def test_key_only_hooks_change_nothing(name):
             assert (a.hits, a.loads, a.evictions, a.bypasses) == (b.hits, b.loads, b.evictions, b.bypasses)
     finally:
         registry._EVICTION.pop(Slow.name)
+
+
+def test_numpy_expert_ids_give_plain_int_keys():
+    # Traces store int16 ids; layer * E + id must not be computed in int16 (99*512 overflows).
+    np = pytest.importorskip("numpy")
+    table = SlotTable(100, 512, 1000)
+    plan = table.step(99, np.array([500, 7, 500], dtype=np.int16))
+    assert plan.loads == {99 * 512 + 500: 0, 99 * 512 + 7: 1}
+    assert all(type(k) is int for k in table.resident())

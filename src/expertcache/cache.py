@@ -198,6 +198,9 @@ class SlotTable:
             raise ValueError(f"layer {layer} out of range 0..{self.num_layers - 1}")
         if phase != DECODE:
             phase = phase_code(phase)
+        tolist = getattr(experts, "tolist", None)
+        if tolist is not None:  # numpy / torch: plain ints, or int16 keys would overflow
+            experts = tolist()
         unique = dict.fromkeys(experts)  # dedupe, keep rank order (one C call, no list)
         if not self._expert_ids.issuperset(unique):
             bad = [e for e in unique if e not in self._expert_ids]
