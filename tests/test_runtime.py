@@ -170,7 +170,7 @@ def test_missing_size_and_bad_settings(reference):
         offload(copy.deepcopy(reference), slots=4, miss="disk")
     with _error("offline oracle"):
         offload(copy.deepcopy(reference), slots=4, eviction="belady")
-    with _error("not wired"):
+    with _error("counts file not found: x.gguf"):  # imatrix placement: tests/test_imatrix_runtime.py
         offload(copy.deepcopy(reference), config=expertcache.config.CacheConfig(slots=4, imatrix="x.gguf"))
     with _error("8GiB"):
         offload(copy.deepcopy(reference), gpu_memory="eight gigs")
@@ -224,3 +224,30 @@ def test_import_expertcache_stays_torch_free():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_grouped_matmul_and_slot_loop_agree(family):
+    """The device strategy (one grouped matmul over slots) equals the host one (a loop over used
+    slots), excluded pairs (slot id == pool size) contribute nothing, and both match eager experts."""
+    from expertcache.runtime.compute import grouped_over_slots
+
+    experts = tiny_model(family).model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    # a pool of 6 slots holding experts 7, 0, 3, 5, 1, 2 (in that slot order)
+    order = [7, 0, 3, 5, 1, 2]
+    pool = {k: getattr(experts, k).detach()[order].clone()
+            for k in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias") if hasattr(experts, k)}
+    hidden = torch.randn(5, 32, generator=gen)
+    idx = torch.tensor([[7, 0], [3, 7], [5, 1], [2, 3], [0, 4]])  # expert 4 is not in the pool
+    weights = torch.rand(5, 2, generator=gen)
+    slot_of = {e: s for s, e in enumerate(order)}
+    slot_idx = torch.tensor([[slot_of.get(e, 6) for e in row] for row in idx.tolist()])
+    with torch.no_grad():
+        a = grouped_over_slots(experts, hidden, slot_idx, weights, pool, grouped=True)
+        b = grouped_over_slots(experts, hidden, slot_idx, weights, pool, grouped=False)
+        keep = weights * (idx != 4)  # eager reference with expert 4's pairs weighted zero
+        experts.config._experts_implementation = "eager"
+        ref = experts(hidden, idx, keep)
+    assert (a - b).abs().max().item() <= 1e-6
+    assert (a - ref).abs().max().item() <= 1e-5
