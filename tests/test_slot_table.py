@@ -103,6 +103,8 @@ def test_belady_without_the_future_refuses_clearly():
     (dict(slots=8, pinned=[(4, 0)]), "layer 4, expert 0"),
     (dict(slots=8, pinned=[64]), "out of range 0..63"),
     (dict(slots=2, pinned=[0, 1, 2]), "too many pinned experts"),
+    (dict(slots=8, pinned=[2.5]), "expert key must be a whole number"),
+    (dict(slots=8, pinned=[(1, "x")]), "expert must be a whole number"),
     (dict(slots=8, eviction="static", eviction_params={"keys": "99"}), "out of range"),
     (dict(slots=8, eviction_params={"decay": 3}), "has no parameter"),
 ])
@@ -170,3 +172,5 @@ def test_numpy_expert_ids_give_plain_int_keys():
     plan = table.step(99, np.array([500, 7, 500], dtype=np.int16))
     assert plan.loads == {99 * 512 + 500: 0, 99 * 512 + 7: 1}
     assert all(type(k) is int for k in table.resident())
+    table.seed([np.int64(3)])
+    assert type(next(iter(table.seed([np.int64(4)]).loads))) is int

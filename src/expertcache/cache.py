@@ -10,6 +10,7 @@ them. Torch-free by design.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 
 from .keys import ExpertKey
@@ -135,12 +136,14 @@ class SlotTable:
 
     # -- queries --------------------------------------------------------------
     def key(self, layer: int, expert: int) -> int:
+        layer, expert = _whole("layer", layer), _whole("expert", expert)
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
             raise ValueError(f"expert key out of range: layer {layer}, expert {expert}; this table has "
                              f"{self.num_layers} layers x {self.num_experts} experts")
         return layer * self.num_experts + expert
 
     def _check_key(self, key: int) -> int:
+        key = _whole("expert key", key)
         if not 0 <= key < self.num_layers * self.num_experts:
             raise ValueError(f"expert key {key} out of range 0..{self.num_layers * self.num_experts - 1}")
         return key
@@ -270,6 +273,17 @@ class SlotTable:
         self._now = now + 1
         self._layer_now[layer] = layer_now + 1
         return plan
+
+
+def _whole(name: str, value: object) -> int:
+    """A plain int from an int-like value (numpy integers too); anything else is a ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a whole number (layer * num_experts + expert, or a "
+                         f"(layer, expert) pair), got {value!r}") from None
 
 
 def _check_positive(name: str, value: object) -> None:
