@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--json", metavar="OUT", help="also save the summary as JSON")
+    p.add_argument("--imatrix", metavar="FILE", help="imatrix .gguf (or trace / counts file) whose hot "
+                   "experts are placed before the first token (docs/imatrix.md)")
+    p.add_argument("--imatrix-mode", default="pin", choices=("pin", "seed"),
+                   help="pin: never evicted, at most half the cache; seed: preloaded, evictable")
     p.set_defaults(func=run)
 
 
@@ -41,7 +45,8 @@ def run(args) -> int:
     eviction, admission = parse_spec(args.policy)
     config = CacheConfig(slots=args.slots, gpu_memory=args.gpu_memory, eviction=eviction,
                          admission=admission, partition=args.partition, miss=args.miss,
-                         baseline=args.baseline, device=args.device, dtype=args.dtype)
+                         baseline=args.baseline, device=args.device, dtype=args.dtype,
+                         imatrix=args.imatrix, imatrix_mode=args.imatrix_mode)
     check_checkpoint_dir(Path(args.model))
     tokenizer = load_tokenizer(args.model)
     model = offload(args.model, config=config).eval()

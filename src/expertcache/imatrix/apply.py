@@ -142,3 +142,16 @@ def plan_keys(source, *, num_layers: int, num_experts: int, slots: int, partitio
         source = load_counts(Path(source))
     probe = SlotTable(num_layers, num_experts, slots, partition=partition, top_k=top_k)
     return [layer * num_experts + expert for layer, expert in table_plan(source, probe, mode, budget)]
+
+
+def check_source(source, num_layers: int, num_experts: int) -> ExpertCounts:
+    """Load counts and check their shape early (e.g. before a runtime takes a model apart)."""
+    if not isinstance(source, ExpertCounts):
+        from .sources import load_counts
+
+        source = load_counts(Path(source))
+    if (source.num_layers, source.num_experts) != (num_layers, num_experts):
+        raise ValueError(f"{source.source or 'counts'}: counts are for {source.num_layers} layers x "
+                         f"{source.num_experts} experts but the model has {num_layers} MoE layers x "
+                         f"{num_experts} experts; use an imatrix of the same model")
+    return source

@@ -26,20 +26,22 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
             eviction: str = "lru", admission: str = "always", partition: str = "global",
             miss: str = "fetch", baseline: str | None = None, device=None, dtype: str | None = None,
             staging: int | None = None, eviction_params: dict | None = None,
-            admission_params: dict | None = None, config: CacheConfig | None = None):
+            admission_params: dict | None = None, imatrix=None, imatrix_mode: str = "pin",
+            config: CacheConfig | None = None):
     """Keep ``model_or_path``'s experts in host memory behind a device slot pool; returns the model.
 
     ``model_or_path``: a loaded transformers MoE model (changed in place) or a local
     checkpoint directory. ``config`` replaces the keyword settings when given.
+    ``imatrix`` (path to an imatrix .gguf, trace or counts file) places its hot experts before
+    the first forward: ``imatrix_mode`` 'pin' keeps them, 'seed' lets them be evicted.
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """
     if config is None:
         config = CacheConfig(slots=slots, gpu_memory=gpu_memory, eviction=eviction, admission=admission,
                              partition=partition, miss=miss, baseline=baseline, staging=staging,
                              device=None if device is None else str(device), dtype=dtype,
-                             eviction_params=eviction_params or {}, admission_params=admission_params or {})
-    if config.imatrix is not None:
-        raise ValueError("imatrix placement is not wired into the runtime yet; drop imatrix= for now")
+                             eviction_params=eviction_params or {}, admission_params=admission_params or {},
+                             imatrix=None if imatrix is None else str(imatrix), imatrix_mode=imatrix_mode)
     model = load_checkpoint(model_or_path, config.dtype) if isinstance(model_or_path, (str, Path)) \
         else model_or_path
     if not isinstance(model, torch.nn.Module):
@@ -48,6 +50,9 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
     if getattr(model, "expertcache", None) is not None:
         raise ValueError("this model is already offloaded (model.expertcache exists); load a fresh copy")
     found = find_experts(model)
+    if config.imatrix is not None:  # a bad file fails before the experts leave the model
+        from ..imatrix.apply import check_source
+        check_source(config.imatrix, len(found), found[0][1].num_experts)
     if config.dtype is not None:
         model.to(_DTYPES[config.dtype])
     for name, module in found:

@@ -35,6 +35,8 @@ class ExpertCache:
         self.phase: int | None = None  # set per forward by the model's pre-hook
         if config.baseline == "resident":
             self._preload_all()
+        elif config.imatrix is not None:
+            self._place_imatrix(config.imatrix, config.imatrix_mode, run)
 
     # -- sizing -----------------------------------------------------------------
     def _size(self, run: CacheConfig) -> tuple[int, int, int]:
@@ -78,6 +80,18 @@ class ExpertCache:
     def _preload_all(self) -> None:
         plan = self.table.seed(range(self.num_layers * self.num_experts))
         for key, slot in plan.loads.items():
+            layer, expert = divmod(key, self.num_experts)
+            self.pool.load(slot, self.hosts[layer], expert)  # setup, not counted as traffic
+        self.pool.ready()
+
+    def _place_imatrix(self, source, mode: str, run: CacheConfig) -> None:
+        """Pin or seed the imatrix plan (docs/imatrix.md) and copy those experts in now."""
+        if run.admission == "never" or self.pool.slots == 0:
+            raise ValueError(f"imatrix placement needs cache slots; baseline {self.config.baseline!r} "
+                             "keeps none (give slots or gpu_memory without a baseline)")
+        from ..imatrix import place
+
+        for key, slot in place(self.table, source, mode).loads.items():
             layer, expert = divmod(key, self.num_experts)
             self.pool.load(slot, self.hosts[layer], expert)  # setup, not counted as traffic
         self.pool.ready()
