@@ -24,6 +24,9 @@ import numpy as np
 from numba import njit
 
 NEVER = 1 << 62  # "not used again", as in policies.belady
+KEY_BITS = 21    # belady's heap packs (next use, key) into one int64: keys < 2**21
+_KEY_MASK = (1 << KEY_BITS) - 1
+_STEP_MAX = (1 << (62 - KEY_BITS)) - 1  # stands for NEVER; real steps stay far below
 _ACC, _HIT, _MISS, _LOAD, _EVICT, _BYPASS = range(6)
 
 
@@ -64,36 +67,45 @@ def list_replay(keys, phases, L, E, parts, cap, lru):
 
     ``parts`` is 1 (global pool) or L (one partition per layer). A doubly
     linked list per partition keeps insertion / recency order, oldest first.
+    List surgery is written inline and counts are summed per step: this loop
+    runs millions of times, and both made it about ten times faster.
     """
     nkeys = L * E
     counts = np.zeros((2, L, 6), np.int64)
-    prev = np.full(nkeys, -1, np.int64)
-    nxt = np.full(nkeys, -1, np.int64)
-    head = np.full(parts, -1, np.int64)
-    tail = np.full(parts, -1, np.int64)
+    prev = np.full(nkeys, -1, np.int32)
+    nxt = np.full(nkeys, -1, np.int32)
+    head = np.full(parts, -1, np.int32)
+    tail = np.full(parts, -1, np.int32)
     used = np.zeros(parts, np.int64)
     resident = np.zeros(nkeys, np.bool_)
-    stamp = np.full(nkeys, -1, np.int64)  # step that last needed the key = protected
+    stamp = np.full(nkeys, -1, np.int32)  # step that last needed the key = protected
     K = keys.shape[1]
+    layer = L - 1
     for s in range(keys.shape[0]):
-        layer = s % L
+        layer = 0 if layer == L - 1 else layer + 1   # s % L
         p = 0 if parts == 1 else layer
-        ph = phases[s]
+        row = keys[s]
         for j in range(K):
-            if keys[s, j] >= 0:
-                stamp[keys[s, j]] = s
+            if row[j] >= 0:
+                stamp[row[j]] = s
+        acc = hit = evict = bypass = 0
         for j in range(K):
-            key = keys[s, j]
+            key = row[j]
             if key < 0:
                 continue
-            counts[ph, layer, _ACC] += 1
+            acc += 1
             if resident[key]:
-                counts[ph, layer, _HIT] += 1
-                if lru and tail[p] != key:  # move to the recent end
-                    _unlink(key, p, prev, nxt, head, tail)
-                    _append(key, p, prev, nxt, head, tail)
+                hit += 1
+                if lru and tail[p] != key:  # move to the recent end (key has a successor)
+                    a, b = prev[key], nxt[key]
+                    if a >= 0:
+                        nxt[a] = b
+                    else:
+                        head[p] = b
+                    prev[b] = a
+                    t = tail[p]
+                    prev[key], nxt[key], nxt[t], tail[p] = t, -1, key, key
                 continue
-            counts[ph, layer, _MISS] += 1
             if used[p] < cap:
                 used[p] += 1
             else:
@@ -101,42 +113,40 @@ def list_replay(keys, phases, L, E, parts, cap, lru):
                 while victim >= 0 and stamp[victim] == s:
                     victim = nxt[victim]
                 if victim < 0:  # everything resident is protected
-                    counts[ph, layer, _BYPASS] += 1
+                    bypass += 1
                     continue
-                _unlink(victim, p, prev, nxt, head, tail)
+                a, b = prev[victim], nxt[victim]
+                if a >= 0:
+                    nxt[a] = b
+                else:
+                    head[p] = b
+                if b >= 0:
+                    prev[b] = a
+                else:
+                    tail[p] = a
                 resident[victim] = False
-                counts[ph, layer, _EVICT] += 1
-            _append(key, p, prev, nxt, head, tail)
+                evict += 1
+            t = tail[p]
+            prev[key], nxt[key] = t, -1
+            if t >= 0:
+                nxt[t] = key
+            else:
+                head[p] = key
+            tail[p] = key
             resident[key] = True
-            counts[ph, layer, _LOAD] += 1
+        _tally(counts[phases[s], layer], acc, hit, bypass, evict)
     return counts
 
 
 @njit(cache=True)
-def _unlink(key, p, prev, nxt, head, tail):
-    a, b = prev[key], nxt[key]
-    if a >= 0:
-        nxt[a] = b
-    else:
-        head[p] = b
-    if b >= 0:
-        prev[b] = a
-    else:
-        tail[p] = a
-    prev[key] = -1
-    nxt[key] = -1
-
-
-@njit(cache=True)
-def _append(key, p, prev, nxt, head, tail):
-    t = tail[p]
-    prev[key] = t
-    nxt[key] = -1
-    if t >= 0:
-        nxt[t] = key
-    else:
-        head[p] = key
-    tail[p] = key
+def _tally(c, acc, hit, bypass, evict):
+    # One step's counts into its (phase, layer) row, in stats.FIELDS order.
+    c[_ACC] += acc
+    c[_HIT] += hit
+    c[_MISS] += acc - hit
+    c[_LOAD] += acc - hit - bypass
+    c[_EVICT] += evict
+    c[_BYPASS] += bypass
 
 
 # -- LRU at every capacity (stack distances) ----------------------------------
@@ -152,7 +162,7 @@ def lru_distances(keys, phases, L, E, parts):
     nkeys = L * E
     D = nkeys if parts == 1 else E
     per_part = (keys.shape[0] * keys.shape[1]) // parts + keys.shape[1] + 1
-    tree = np.zeros(parts * (per_part + 1), np.int64)  # one Fenwick tree per partition
+    tree = np.zeros(parts * (per_part + 1), np.int32)  # one Fenwick tree per partition
     pos = np.zeros(parts, np.int64)       # last position handed out per partition
     distinct = np.zeros(parts, np.int64)  # keys seen per partition
     last = np.zeros(nkeys, np.int64)      # 1-based position of a key's last use, 0 = never
@@ -254,129 +264,123 @@ def _next_uses(keys, nkeys):
 def belady_replay(keys, nexts, phases, L, E, parts, cap):
     """Belady's MIN (forced admission) at one capacity per partition.
 
-    An indexed max-heap per partition orders residents by (next use desc, key
-    asc), the order policies.belady's heap pops in, so ties break the same way.
+    A max-heap per partition holds one int64 per resident key, ``_prio(next
+    use, key)``: it orders by next use (later first), then by smaller key,
+    the order policies.belady's heap pops in, so ties break the same way.
+    ``where[key]`` is the key's heap index, so a hit updates it in place.
     """
-    nkeys = L * E
     counts = np.zeros((2, L, 6), np.int64)
-    hkey = np.empty(parts * cap, np.int64)
-    hval = np.empty(parts * cap, np.int64)
+    heap = np.empty(parts * cap, np.int64)
     size = np.zeros(parts, np.int64)
-    where = np.full(nkeys, -1, np.int64)   # heap index of a resident key, -1 = absent
-    stamp = np.full(nkeys, -1, np.int64)
+    where = np.full(L * E, -1, np.int32)   # heap index of a resident key, -1 = absent
+    stamp = np.full(L * E, -1, np.int32)   # step that last needed the key = protected
     K = keys.shape[1]
     todo = np.empty(2 * K + 3, np.int64)   # heap nodes to look at in a victim search
+    layer = L - 1
     for s in range(keys.shape[0]):
-        layer = s % L
+        layer = 0 if layer == L - 1 else layer + 1   # s % L
         p = 0 if parts == 1 else layer
         base = p * cap
-        ph = phases[s]
+        row, nrow = keys[s], nexts[s]
         for j in range(K):
-            if keys[s, j] >= 0:
-                stamp[keys[s, j]] = s
+            if row[j] >= 0:
+                stamp[row[j]] = s
+        acc = hit = evict = bypass = 0
         for j in range(K):
-            key = keys[s, j]
+            key = row[j]
             if key < 0:
                 continue
-            counts[ph, layer, _ACC] += 1
+            acc += 1
             i = where[key]
             if i >= 0:
-                counts[ph, layer, _HIT] += 1
-                hval[base + i] = nexts[s, j]   # later than before: can only rise
-                _sift_up(hkey, hval, where, base, i)
+                hit += 1
+                heap[base + i] = _prio(nrow[j], key)   # later than before: can only rise
+                _sift_up(heap, where, base, i)
                 continue
-            counts[ph, layer, _MISS] += 1
-            if size[p] == cap:
-                v = _best_unprotected(hkey, hval, stamp, s, base, size[p], todo)
-                if v < 0:
-                    counts[ph, layer, _BYPASS] += 1
-                    continue
-                _remove(hkey, hval, where, base, size, p, v)
-                counts[ph, layer, _EVICT] += 1
             n = size[p]
-            hkey[base + n] = key
-            hval[base + n] = nexts[s, j]
-            where[key] = n
+            if n == cap:
+                v = _best_unprotected(heap, stamp, s, base, n, todo)
+                if v < 0:
+                    bypass += 1
+                    continue
+                where[_key(heap[base + v])] = -1
+                n -= 1
+                if v != n:  # move the last entry into the hole, then restore order
+                    heap[base + v] = heap[base + n]
+                    _sift_down(heap, where, base, n, v)
+                    _sift_up(heap, where, base, v)
+                evict += 1
+            heap[base + n] = _prio(nrow[j], key)
             size[p] = n + 1
-            _sift_up(hkey, hval, where, base, n)
-            counts[ph, layer, _LOAD] += 1
+            _sift_up(heap, where, base, n)
+        _tally(counts[phases[s], layer], acc, hit, bypass, evict)
     return counts
 
 
 @njit(cache=True)
-def _above(hkey, hval, a, b):
-    # True if entry a is evicted before entry b.
-    return hval[a] > hval[b] or (hval[a] == hval[b] and hkey[a] < hkey[b])
+def _prio(next_use, key):
+    # Larger = evicted first. NEVER maps to the largest step the field holds.
+    return (min(next_use, _STEP_MAX) << KEY_BITS) | (_KEY_MASK - key)
 
 
 @njit(cache=True)
-def _sift_up(hkey, hval, where, base, i):
+def _key(prio):
+    return _KEY_MASK - (prio & _KEY_MASK)
+
+
+@njit(cache=True)
+def _sift_up(heap, where, base, i):
+    x = heap[base + i]
     while i > 0:
         parent = (i - 1) >> 1
-        if not _above(hkey, hval, base + i, base + parent):
+        y = heap[base + parent]
+        if y >= x:
             break
-        _swap(hkey, hval, where, base, i, parent)
+        heap[base + i] = y
+        where[_key(y)] = i
         i = parent
+    heap[base + i] = x
+    where[_key(x)] = i
 
 
 @njit(cache=True)
-def _sift_down(hkey, hval, where, base, n, i):
+def _sift_down(heap, where, base, n, i):
+    x = heap[base + i]
     while True:
-        best, a, b = i, 2 * i + 1, 2 * i + 2
-        if a < n and _above(hkey, hval, base + a, base + best):
-            best = a
-        if b < n and _above(hkey, hval, base + b, base + best):
-            best = b
-        if best == i:
-            return
-        _swap(hkey, hval, where, base, i, best)
-        i = best
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and heap[base + c + 1] > heap[base + c]:
+            c += 1
+        y = heap[base + c]
+        if y <= x:
+            break
+        heap[base + i] = y
+        where[_key(y)] = i
+        i = c
+    heap[base + i] = x
+    where[_key(x)] = i
 
 
 @njit(cache=True)
-def _swap(hkey, hval, where, base, i, j):
-    a, b = base + i, base + j
-    hkey[a], hkey[b] = hkey[b], hkey[a]
-    hval[a], hval[b] = hval[b], hval[a]
-    where[hkey[a]] = i
-    where[hkey[b]] = j
-
-
-@njit(cache=True)
-def _best_unprotected(hkey, hval, stamp, s, base, n, todo):
+def _best_unprotected(heap, stamp, s, base, n, todo):
     """Heap index of the first unprotected entry in eviction order, or -1.
 
     Every entry above it is protected, so it is the best unprotected child
     reachable from the root through protected entries (at most K of them).
     """
-    best, top = -1, 0
-    todo[top] = 0
-    top = 1
+    best, top = -1, 1
+    todo[0] = 0
     while top > 0:
         top -= 1
         i = todo[top]
         if i >= n:
             continue
-        if stamp[hkey[base + i]] != s:
-            if best < 0 or _above(hkey, hval, base + i, base + best):
+        if stamp[_key(heap[base + i])] != s:
+            if best < 0 or heap[base + i] > heap[base + best]:
                 best = i
             continue
         todo[top] = 2 * i + 1
         todo[top + 1] = 2 * i + 2
         top += 2
     return best
-
-
-@njit(cache=True)
-def _remove(hkey, hval, where, base, size, p, i):
-    n = size[p] - 1
-    where[hkey[base + i]] = -1
-    if i != n:
-        hkey[base + i] = hkey[base + n]
-        hval[base + i] = hval[base + n]
-        where[hkey[base + i]] = i
-        size[p] = n
-        _sift_down(hkey, hval, where, base, n, i)
-        _sift_up(hkey, hval, where, base, i)
-    else:
-        size[p] = n

@@ -17,7 +17,7 @@ import numpy as np
 from ..stats import Stats
 from ..trace.format import Trace
 from .replay import (FAST_POLICIES, PolicySpec, Prepared, ReplayResult, check_table, fast_counts,
-                     lru_all_sizes, per_partition, resolve_policy, table_replay)
+                     kernel_fits, lru_all_sizes, resolve_policy, table_replay)
 
 OPTIMUM = "belady"
 
@@ -39,7 +39,8 @@ def sweep(trace: Trace | Prepared, policies: Sequence[str], slots_list: Sequence
     for spec in specs:  # fail fast on bad sizes or parameters, before any work
         for slots in slots_list:
             check_table(prep.trace, spec, slots, partition)
-    slow = [(i, slots) for i, spec in enumerate(specs) if not _fast(spec)
+    fits = kernel_fits(prep)
+    slow = [(i, slots) for i, spec in enumerate(specs) if not (fits and _fast(spec))
             for slots in slots_list]
     done: dict[tuple[int, int], ReplayResult] = {}
     total, tick = len(specs) * len(slots_list), _ticker(progress, len(specs) * len(slots_list))
@@ -48,7 +49,7 @@ def sweep(trace: Trace | Prepared, policies: Sequence[str], slots_list: Sequence
         futures = {pool.submit(_table_job, specs[i], slots, partition): (i, slots)
                    for i, slots in slow} if pool else {}
         for i, spec in enumerate(specs):  # fast ones here while the pool works
-            if _fast(spec):
+            if fits and _fast(spec):
                 for r in _fast_results(prep, spec, slots_list, partition):
                     done[i, r.slots] = r
                     tick()
@@ -70,6 +71,8 @@ def sweep(trace: Trace | Prepared, policies: Sequence[str], slots_list: Sequence
 def optimum_misses(prep: Prepared, slots_list: Sequence[int], partition: str) -> dict[int, int]:
     """Belady's misses at each size: the ``opt_misses`` every result is compared with."""
     spec = resolve_policy(OPTIMUM)
+    if not kernel_fits(prep):
+        return {s: _table_result(prep, spec, s, partition).misses for s in slots_list}
     return {r.slots: r.misses for r in _fast_results(prep, spec, slots_list, partition)}
 
 

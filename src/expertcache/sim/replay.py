@@ -165,7 +165,7 @@ def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "g
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
     fast_ok = (spec.eviction in FAST_POLICIES and spec.admission == "always"
-               and not pinned and not seed and not eviction_params)
+               and not pinned and not seed and not eviction_params and kernel_fits(prep))
     if engine == "fast" and not fast_ok:
         raise ValueError(f"no fast kernel for {spec.label!r} with these options; fast kernels "
                          f"cover {', '.join(FAST_POLICIES)} with admission 'always' and no "
@@ -176,6 +176,12 @@ def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "g
     else:
         stats, name = table_replay(prep, table, seed), "table"
     return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, name, spec.label)
+
+
+def kernel_fits(prep: Prepared) -> bool:
+    """The kernels pack keys into 21 bits (belady's heap); bigger tables use SlotTable."""
+    from .fast import KEY_BITS
+    return prep.L * prep.E < (1 << KEY_BITS)
 
 
 def fast_counts(prep: Prepared, eviction: str, slots: int, partition: str) -> tuple[np.ndarray, str]:
