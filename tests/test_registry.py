@@ -196,8 +196,10 @@ def installed_plugin(tmp_path):
     src = tmp_path / "plugin_pkg"
     shutil.copytree(PLUGIN_PKG, src)
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", "-q", str(src)],
-                   check=True, capture_output=True, text=True)
+    done = subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", "-q", str(src)],
+                          capture_output=True, text=True)
+    # Offline build with the venv's own setuptools (>= 70.1 builds wheels without 'wheel').
+    assert done.returncode == 0, f"pip could not install tests/plugin_pkg:\n{done.stderr}"
     try:
         yield
     finally:
