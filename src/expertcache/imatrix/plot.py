@@ -31,7 +31,8 @@ def save_plot(counts: np.ndarray, plan: list[tuple[int, int]], path: str | Path,
     image = right.imshow(shares, aspect="auto", cmap="magma", interpolation="nearest")
     if plan:
         layers, experts = zip(*plan)
-        right.scatter(experts, layers, s=4, c="cyan", marker="s", label=f"plan ({len(plan)} experts)")
+        right.scatter(experts, layers, s=10, facecolors="none", edgecolors="cyan", linewidths=0.6,
+                      marker="s", label=f"plan ({len(plan)} experts)")
         right.legend(loc="upper right", fontsize=8)
     right.set(xlabel="expert", ylabel="MoE layer", title="share of each layer's tokens")
     fig.colorbar(image, ax=right, shrink=0.8)
