@@ -59,7 +59,7 @@ def hot_count(num_experts: int) -> int:
 
 
 def synth_trace(name: str, tokens: int, seed: int = 0, prompt: int = 0) -> Trace:
-    """A synthetic trace of the preset ``name`` (see ``profiles.PROFILES``)."""
+    """A synthetic trace of the preset ``name`` (one of ``profiles.FITTED``); first ``prompt`` tokens phase 0."""
     from .profiles import profile
     shape = preset(name)
     prof = profile(shape.name)
