@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays do not compare to one bool
 class ExpertCounts:
     counts: np.ndarray          # int64 [L, E]: routed tokens per (layer, expert)
     source: str = ""            # file it came from (for messages)
