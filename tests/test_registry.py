@@ -198,8 +198,10 @@ def installed_plugin(tmp_path):
     pip = [sys.executable, "-m", "pip"]
     done = subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", "-q", str(src)],
                           capture_output=True, text=True)
-    # Offline build with the venv's own setuptools (>= 70.1 builds wheels without 'wheel').
-    assert done.returncode == 0, f"pip could not install tests/plugin_pkg:\n{done.stderr}"
+    # Offline build with the venv's own setuptools: >= 70.1 builds wheels without the 'wheel'
+    # package (a fresh Python 3.11 venv has 65.5, which cannot); the test extra pins it.
+    assert done.returncode == 0, (f"pip could not install tests/plugin_pkg (the venv needs "
+                                  f"setuptools>=70.1, part of the test extra):\n{done.stderr}")
     try:
         yield
     finally:
