@@ -9,7 +9,7 @@ from expertcache import SlotTable
 from expertcache.policies.belady import Future
 from expertcache.trace import load_trace
 
-from .conftest import shared_trace
+from conftest import shared_trace
 
 # (trace, partition, policy, slots) -> hit rate, from ../shared/traces/README.md
 REFERENCE = {
