@@ -246,8 +246,19 @@ def test_grouped_matmul_and_slot_loop_agree(family):
     with torch.no_grad():
         a = grouped_over_slots(experts, hidden, slot_idx, weights, pool, grouped=True)
         b = grouped_over_slots(experts, hidden, slot_idx, weights, pool, grouped=False)
+        groups = [(0, 2), (1, 2), (2, 2), (3, 1), (4, 1), (5, 1)]  # what the runtime passes in
+        c = grouped_over_slots(experts, hidden, slot_idx, weights, pool, groups, grouped=False)
         keep = weights * (idx != 4)  # eager reference with expert 4's pairs weighted zero
         experts.config._experts_implementation = "eager"
         ref = experts(hidden, idx, keep)
+    assert torch.equal(b, c)
     assert (a - b).abs().max().item() <= 1e-6
     assert (a - ref).abs().max().item() <= 1e-5
+
+
+def test_runtime_with_the_device_matmul_strategy(reference, ids):
+    """CUDA pools use one grouped matmul over all slots; run that strategy end to end here."""
+    model = offload(copy.deepcopy(reference), slots=3, miss="auto")
+    model.expertcache.pool.grouped = True
+    _assert_same(model, reference, ids)
+    assert model.expertcache.stats().total().evictions > 0

@@ -8,6 +8,8 @@ an optional post-expert norm, so every family computes exactly as its eager code
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from transformers.integrations.moe import _grouped_mm  # dispatches to grouped_mm or a loop
 
@@ -23,23 +25,27 @@ def _activate(module: torch.nn.Module, proj: torch.Tensor) -> torch.Tensor:
 
 def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: torch.Tensor,
                        weights: torch.Tensor, pool: dict[str, torch.Tensor],
-                       grouped: bool | None = None) -> torch.Tensor:
+                       groups: list[tuple[int, int]] | None = None, grouped: bool = False) -> torch.Tensor:
     """Experts output for the (token, rank) pairs whose slot id is below the pool size.
 
     hidden [T, H]; slot_idx [T, K] int64 (S = pool size means "not computed here");
-    weights [T, K]; pool kind -> [S, ...]. Returns [T, H]. Reads weights in place from
-    the pool: grouped matmul over slots, no gather copy of any expert. ``grouped``
-    forces one matmul strategy (default: grouped on a device, a slot loop on the host).
+    weights [T, K]; pool kind -> [S, ...]. Returns [T, H]. Reads the weights in place
+    from the pool, no gather copy of any expert. ``groups``: (slot, pairs routed to it)
+    in slot order, known on the host from the plan, so neither strategy syncs (derived
+    from slot_idx when omitted). ``grouped``: one grouped matmul over all slots (the
+    device kernel); otherwise a loop of matmuls over the used slots (the host, or a
+    device whose grouped_mm does not take this dtype).
     """
     first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
     w_up, w_down = pool[first], pool["down_proj"]
     S = w_up.shape[0]
     T, K = slot_idx.shape
     transposed = getattr(module, "is_transposed", False)
-    flat = slot_idx.reshape(-1)                        # [T*K]
-    ids, perm = torch.sort(flat)                       # group pairs by slot; excluded ones sort last
+    if groups is None:
+        groups = sorted(Counter(s for s in slot_idx.reshape(-1).tolist() if s < S).items())
+    ids, perm = torch.sort(slot_idx.reshape(-1))       # [T*K] pairs grouped by slot; excluded last
     x = hidden[perm // K]                              # [T*K, H], tokens grouped by slot
-    matmul = _slot_matmul(ids, S, ids.device.type != "cpu" if grouped is None else grouped)
+    matmul = _grouped(ids, S) if grouped else _looped(groups)
     bias_ids = ids.clamp(max=S - 1)
     b_up = pool[first + "_bias"][bias_ids] if first + "_bias" in pool else None
     proj = matmul(x, w_up, transposed)
@@ -49,38 +55,45 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
         out = out + pool["down_proj_bias"][bias_ids]
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
-    # rows past offsets[-1] are uninitialised kernel output: select zero there, never multiply
+    # rows of excluded pairs are uninitialised kernel output: select zero there, never multiply
     out = torch.where((ids < S).unsqueeze(-1), out, 0.0) * weights.reshape(-1)[perm].unsqueeze(-1)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return out[inv].view(T, K, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
 
 
-def _slot_matmul(ids: torch.Tensor, S: int, grouped: bool):
-    """x [N, in] grouped by sorted slot ids -> [N, out] with each group's slot weight.
+def _grouped(ids: torch.Tensor, S: int):
+    """One grouped matmul: per-slot offsets computed on the device (ids == S fall past the end)."""
+    counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(),  # CPU histc: floats
+                         bins=S, min=0, max=S - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    return lambda x, w, transposed: _grouped_mm(x, w if transposed else w.transpose(-2, -1), offs=offsets)
 
-    Device: one grouped matmul (offsets per slot; ids == S fall past the last offset).
-    Host: a loop over the slots actually used; CPU grouped_mm costs grow with S.
-    """
-    if grouped:
-        counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(),  # CPU histc: floats
-                             bins=S, min=0, max=S - 1)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        return lambda x, w, transposed: _grouped_mm(x, w if transposed else w.transpose(-2, -1),
-                                                    offs=offsets)
-    slots, counts = torch.unique_consecutive(ids, return_counts=True)
-    groups, start = [], 0
-    for slot, n in zip(slots.tolist(), counts.tolist()):  # host tensors: no sync involved
-        if slot < S:
-            groups.append((slot, start, start + n))
-        start += n
 
+def _looped(groups: list[tuple[int, int]]):
+    """A matmul per used slot; on the CPU this beats grouped_mm, whose cost grows with S."""
     def matmul(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
         out = x.new_zeros(x.shape[0], w.shape[-1] if transposed else w.shape[-2])
-        for slot, a, b in groups:
-            out[a:b] = x[a:b] @ w[slot] if transposed else torch.nn.functional.linear(x[a:b], w[slot])
+        start = 0
+        for slot, n in groups:
+            a, start = start, start + n
+            out[a:start] = x[a:start] @ w[slot] if transposed else torch.nn.functional.linear(x[a:start], w[slot])
         return out
     return matmul
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probe once whether this device's grouped matmul takes ``dtype`` (older kernels: bf16 only)."""
+    if device.type == "cpu":
+        return False  # the loop is faster on the host
+    try:
+        x = torch.ones(4, 16, device=device, dtype=dtype)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype)
+        offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
+        y = _grouped_mm(x, w, offs=offs)
+        return bool(torch.allclose(y.float().cpu(), torch.full((4, 16), 16.0)))
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def one_expert(module: torch.nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:

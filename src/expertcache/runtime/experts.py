@@ -55,7 +55,7 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
         (on_cpu if cache.compute_on_cpu(key - base, tokens) else staged).append(key - base)
 
     out = _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights,
-                         on_device, staged)
+                         idx_rows, on_device, staged)
     if on_cpu:  # runs on the host while the device works through the rounds queued above
         pairs = defaultdict(list)
         for t, row in enumerate(idx_rows):
@@ -67,7 +67,7 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     return out
 
 
-def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights,
+def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights, idx_rows,
                    on_device: dict[int, int], staged: list[int]) -> torch.Tensor | None:
     """Compute device experts; bypasses beyond the staging slots go in further rounds."""
     pool, host = cache.pool, cache.hosts[layer]
@@ -85,7 +85,9 @@ def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weigh
             continue
         pool.ready()  # compute waits for this step's copies, on the device only
         slot_idx = _slot_index(mapping, cache.num_experts, pool.size, top_k_index)
-        y = grouped_over_slots(module, hidden, slot_idx, top_k_weights, pool.tensors)
+        # (slot, pairs routed to it) in slot order, from the host copy of the routing: no sync
+        groups = sorted(Counter(mapping[e] for row in idx_rows for e in row if e in mapping).items())
+        y = grouped_over_slots(module, hidden, slot_idx, top_k_weights, pool.tensors, groups, pool.grouped)
         pool.mark_read(mapping.values())  # the next load into these slots waits for this
         out = y if out is None else out + y
     return out

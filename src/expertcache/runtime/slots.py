@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .compute import grouped_mm_works
 from .host import HostExperts
 
 
@@ -30,6 +31,8 @@ class SlotPool:
         self.tensors = {kind: torch.zeros((self.size, *shape), dtype=dtype, device=self.device)
                         for kind, (shape, dtype) in layout.items()}
         self.cuda = self.device.type == "cuda"
+        dtype = next(iter(layout.values()))[1]
+        self.grouped = grouped_mm_works(self.device, dtype)  # else a loop of matmuls over used slots
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._read_done: list = [None] * self.size  # per slot: event after its last reader
         self._pending = False                       # copies issued since the last ready()

@@ -1,0 +1,105 @@
+"""CUDA paths: pinned host experts, a fixed-address pool on the device, the copy stream and
+its events, at most one device-to-host sync per MoE layer step. Run by benchmarks/gpu_check.sh."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device (torch.cuda.is_available() is False); "
+                              "run benchmarks/gpu_check.sh on a GPU machine"),
+]
+
+from tiny_moe import tiny_model  # noqa: E402
+
+from expertcache.integrations.transformers import offload  # noqa: E402
+from expertcache.runtime import experts as experts_mod  # noqa: E402
+
+
+def _decode(model, ids, n=12):
+    with torch.no_grad():
+        out = model.generate(ids.to(model.device), max_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences.cpu(), torch.stack(out.logits).float().cpu()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("kwargs", [dict(slots=3), dict(slots=4, partition="per-layer", miss="cpu"),
+                                    dict(slots=3, miss="auto"), dict(baseline="copy-every-pass", staging=1)],
+                         ids=["fetch", "cpu-per-layer", "auto", "copy-every-pass-1-staging"])
+def test_cuda_equals_cpu_reference(family, kwargs):
+    reference = tiny_model(family)
+    ids = torch.randint(2, 96, (1, 13), generator=torch.Generator().manual_seed(2))
+    ref_tokens, ref_logits = _decode(reference, ids)
+    model = offload(copy.deepcopy(reference), device="cuda", **kwargs)
+    tokens, logits = _decode(model, ids)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4  # TF32/cuBLAS vs CPU sums
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_pinned_host_fixed_device_pool_and_copy_stream():
+    model = offload(tiny_model("mixtral"), slots=3, device="cuda")
+    cache = model.expertcache
+    assert all(t.is_pinned() for host in cache.hosts for t in host.tensors.values())
+    assert all(t.device.type == "cuda" for t in cache.pool.tensors.values())
+    assert cache.pool.copy_stream is not None
+    assert cache.pool.copy_stream != torch.cuda.current_stream()
+    before = cache.pool.data_ptrs()
+    _decode(model, torch.randint(2, 96, (1, 20)), n=30)
+    assert cache.stats().total().evictions > 0
+    assert cache.pool.data_ptrs() == before
+    # no expert weights left on the device outside the pool
+    assert not any(p.device.type == "cuda" and p.ndim == 3 for p in model.parameters())
+
+
+@pytest.mark.parametrize("miss", ["fetch", "cpu"])
+def test_one_sync_per_moe_layer_step(monkeypatch, miss):
+    """Only _to_host synchronises; any other implicit sync inside a step raises (sync debug mode)."""
+    model = offload(tiny_model("qwen3_moe"), slots=3, device="cuda", miss=miss)
+    calls = {"to_host": 0, "steps": 0}
+    real_to_host, real_step = experts_mod._to_host, experts_mod.run_step
+
+    def to_host(*args):
+        calls["to_host"] += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real_to_host(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def run_step(*args):
+        calls["steps"] += 1
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_step(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(experts_mod, "_to_host", to_host)
+    monkeypatch.setattr(experts_mod, "run_step", run_step)
+    _decode(model, torch.randint(2, 96, (1, 9)), n=10)
+    assert calls["steps"] > 0 and calls["to_host"] == calls["steps"]
+
+
+def test_stress_small_pool_many_steps_stays_exact():
+    """Many evictions with copies racing compute: events must keep every read consistent."""
+    reference = tiny_model("olmoe", experts=16, layers=2)
+    ids = torch.randint(2, 96, (1, 40), generator=torch.Generator().manual_seed(9))
+    ref_tokens, ref_logits = _decode(reference, ids, n=48)
+    model = offload(copy.deepcopy(reference), slots=2, device="cuda", staging=1)
+    tokens, logits = _decode(model, ids, n=48)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_budget_larger_than_free_device_memory():
+    free = torch.cuda.mem_get_info()[0]
+    with pytest.raises(ValueError, match="free"):
+        offload(tiny_model("mixtral"), gpu_memory=free * 2, device="cuda")
