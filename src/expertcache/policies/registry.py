@@ -17,7 +17,7 @@ ENTRY_POINT_GROUP = "expertcache.policies"
 _EVICTION: dict[str, type[EvictionPolicy]] = {}
 _ADMISSION: dict[str, type[AdmissionPolicy]] = {}
 _BUILTIN_MODULES = ("lru", "fifo", "belady", "admission", "random_policy", "lfu", "slru", "lfru", "arc",
-                    "s3fifo", "static")
+                    "s3fifo", "static", "next_use")
 _loaded = False
 
 

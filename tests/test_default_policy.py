@@ -1,0 +1,140 @@
+"""The default policy (``next-use``): registration, what it learns (worked out by
+hand), a scan it must survive where LRU fails, and its ratio to Belady on the
+real traces (slow). The contract suite covers it too (it iterates the registry)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from expertcache import SlotTable
+from expertcache.policies.next_use import NextUse
+from expertcache.policies.registry import eviction_policies, make_eviction, parse_spec
+from expertcache.sim.replay import Prepared, replay, resolve_policy
+from expertcache.trace import load_trace
+
+from conftest import shared_trace  # tests/ is on sys.path (not a package)
+
+
+def test_default_is_registered_and_says_what_it_is():
+    policies = eviction_policies()
+    assert "next-use" in policies and "default" in policies
+    assert issubclass(policies["default"], NextUse)
+    assert "next-use" in policies["default"].description
+    assert isinstance(make_eviction("default", 16), NextUse)
+    assert parse_spec("default") == ("default", "always")
+    assert resolve_policy("default").eviction == "default"  # not the lru fallback
+
+
+@pytest.mark.parametrize("params, word", [({"window": 0.5}, "window"), ({"horizon": 0}, "horizon"),
+                                          ({"horizon": 65}, "horizon"), ({"horizon": "x"}, "horizon"),
+                                          ({"span": 3}, "span")])
+def test_bad_parameters_say_which(params, word):
+    with pytest.raises(ValueError, match=word):
+        make_eviction("next-use", 16, **params)
+
+
+def _outcomes(seq, slots, eviction="next-use"):
+    table = SlotTable(1, 8, slots, eviction=eviction)
+    out = []
+    for key in seq:
+        plan = table.step(0, [key])
+        out.append("H" if plan.hits else "L")
+    return "".join(out)
+
+
+def test_before_it_has_learned_it_is_lru():
+    # The score table is built after 512 reuses; until then every score is 0 and the
+    # tie-break is the last use, so victims are LRU's: [0,1,2] 0 hit; 3 evicts 1;
+    # 0 hit; 1 evicts 2; 2 evicts 3.
+    seq = [0, 1, 2, 0, 3, 0, 1, 2]
+    assert _outcomes(seq, 3) == _outcomes(seq, 3, "lru") == "LLLHLHLL"
+
+
+class Eager(NextUse):
+    rebuild_every = 1  # rebuild the score table at every reuse: small hand-checkable cases
+
+
+def test_what_it_learns_by_hand():
+    p = Eager(4, window=32.0, horizon=2)
+    p.on_insert(7, 0)
+    p.on_access(7, 5)      # first reuse: 5 steps apart, so a pass is 5 steps
+    assert p._period == 5
+    assert p._count[7] == pytest.approx(1 + math.exp(-1 / 32))
+    p.on_access(7, 15)     # 2 passes later; the count at the last use was ~1.97 (class 1)
+    assert p._hist[1][2] == 1 and p._hist[0][1] == 1
+    assert p._count[7] == pytest.approx(1 + (1 + math.exp(-1 / 32)) * math.exp(-2 / 32))
+    # Fewer than 32 reuses per class: every class scores with the pooled gaps {1, 2}:
+    # unused for 0 passes -> both reuses came within 0 + 2 -> 1; for 1 pass -> the one
+    # reuse left (gap 2) is within 3 -> 1; for 2 passes -> none left -> 0.
+    assert p._score[0][:3] == [1.0, 1.0, 0.0] and p._score[5][:3] == [1.0, 1.0, 0.0]
+
+
+def test_same_step_seeding_is_not_evidence():
+    p = Eager(4)
+    p.on_insert(1, 0)
+    p.on_insert(1, 0)
+    assert p._period == 0 and sum(map(sum, p._hist)) == 0
+
+
+def _scan_sequence(passes):
+    # Each pass (6 steps): hot key 0, two cold keys, hot key 1, two cold keys. Cold keys
+    # cycle through 400 ids, so each comes back only after 100 passes.
+    seq, cold = [], 0
+    for _ in range(passes):
+        for slot in range(6):
+            if slot in (0, 3):
+                seq.append(slot // 3)
+            else:
+                seq.append(2 + cold % 400)
+                cold += 1
+    return seq
+
+
+@pytest.mark.parametrize("eviction, hot_hits", [("lru", 0), ("next-use", 200)])
+def test_hot_keys_survive_a_scan_that_flushes_lru(eviction, hot_hits):
+    # Capacity 4: between two uses of a hot key come 5 other keys, so LRU always
+    # evicts it first. next-use learns that hot keys (class 9) come back after 1
+    # pass and cold ones (class 0) after more than 64, so once it has seen 512
+    # reuses (~190 passes in) it keeps both hot keys: in the last 100 passes
+    # every hot access hits and every cold one misses.
+    seq = _scan_sequence(400)
+    table = SlotTable(1, 402, 4, eviction=eviction)
+    for key in seq[:-600]:
+        table.step(0, [key])
+    table.reset_stats()
+    for key in seq[-600:]:
+        table.step(0, [key])
+    total = table.stats().total()
+    assert (total.hits, total.misses) == (hot_hits, 600 - hot_hits)
+
+
+def test_beats_lru_on_a_synthetic_trace():
+    from expertcache.trace.synth import synth_trace
+    prep = Prepared(synth_trace("qwen3-30b-a3b", 300, seed=1))
+    for partition in ("global", "per-layer"):
+        lru = replay(prep, "lru", 768, partition).misses
+        ours = replay(prep, "default", 768, partition).misses
+        assert ours < 0.95 * lru, (partition, ours, lru)
+
+
+# Misses over Belady's on the first 1000 tokens, measured (global 768, 1536, per-layer 768, 1536):
+# code 1.63 1.97 1.35 1.77 (avg 1.68; LRU 1.89), general 1.65 1.99 1.39 1.79 (avg 1.70; LRU 1.88).
+# Ours stays within 0.94 of LRU's misses in every configuration.
+BOUND = {"code": 1.75, "general": 1.78}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BOUND))
+def test_ratio_to_belady_on_real_traces(name):
+    prep = Prepared(load_trace(shared_trace(f"qwen3-30b-a3b-{name}.npz")).slice_tokens(1000))
+    ratios = []
+    for partition in ("global", "per-layer"):
+        for slots in (768, 1536):
+            best = replay(prep, "belady", slots, partition).misses
+            lru = replay(prep, "lru", slots, partition).misses
+            ours = replay(prep, "default", slots, partition).misses
+            assert ours < 0.96 * lru, (partition, slots, ours, lru)
+            ratios.append(ours / best)
+    assert sum(ratios) / len(ratios) < BOUND[name], ratios
