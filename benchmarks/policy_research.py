@@ -1,0 +1,127 @@
+"""Each policy's misses over Belady's on every trace: the table in docs/policies.md.
+
+For every trace, partition (global, per-layer) and capacity (12.5% and 25% of
+all experts) it replays Belady (exact optimum, forced admission) and each
+policy through the simulator (cold start, token-major steps) and prints
+misses / Belady misses, plus the average over the configurations. With
+--timing it also prints the cost per access of each policy through SlotTable.
+
+    .venv/bin/python benchmarks/policy_research.py                       # shared traces, all tokens
+    .venv/bin/python benchmarks/policy_research.py --tokens 2000 --traces code
+    .venv/bin/python benchmarks/policy_research.py --traces synth:qwen3-30b-a3b:4000 --json out.json
+
+Traces: ``code``, ``general`` (../shared/traces/qwen3-30b-a3b-*.npz), ``phone``
+(the top-6 route CSV there), ``synth:PRESET:TOKENS`` (expertcache.trace.synth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from expertcache.policies.registry import parse_spec
+from expertcache.sim.replay import Prepared, replay
+from expertcache.trace import load_trace
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+POLICIES = ("lru", "fifo", "lfu", "slru", "lfru", "arc", "s3fifo", "next-use")
+CONFIGS = tuple((part, frac) for part in ("global", "per-layer") for frac in (0.125, 0.25))
+
+
+def load(name: str, tokens: int):
+    """A trace by short name (see module doc), cut to its first ``tokens`` (0 = all)."""
+    if name in ("code", "general"):
+        trace = load_trace(SHARED / f"qwen3-30b-a3b-{name}.npz")
+    elif name == "phone":
+        from expertcache.trace.importers import import_route_csv
+        trace = import_route_csv(SHARED / "qwen3-30b-a3b-top6-phone.route.csv").trace
+    elif name.startswith("synth:"):
+        from expertcache.trace.synth import synth_trace
+        _, preset, count = (name.split(":") + ["4000"])[:3]
+        trace = synth_trace(preset, int(count), seed=0)
+    else:
+        raise ValueError(f"unknown trace {name!r}; use code, general, phone or synth:PRESET:TOKENS")
+    return trace.slice_tokens(tokens) if tokens and tokens < trace.num_tokens else trace
+
+
+def slots_of(trace, frac: float) -> int:
+    return round(frac * trace.num_layers * trace.num_experts)
+
+
+def ratios(prep: Prepared, policies, progress=None) -> dict:
+    """{config: {"belady": misses, policy: misses/belady}} for one trace."""
+    out = {}
+    for part, frac in CONFIGS:
+        slots = slots_of(prep.trace, frac)
+        if part == "per-layer" and slots // prep.L < prep.trace.top_k:
+            continue  # a per-layer share below top-k cannot serve one step
+        best = replay(prep, "belady", slots, part).misses
+        row = {"slots": slots, "belady": best}
+        for spec in policies:
+            row[spec] = replay(prep, spec, slots, part).misses / best
+            if progress:
+                progress(f"{part} {frac} {spec} {row[spec]:.3f}")
+        out[f"{part} {frac:g}"] = row
+    return out
+
+
+def cost_per_access(prep: Prepared, policies, slots: int) -> dict[str, float]:
+    """Microseconds per access through SlotTable (global pool), table overhead included."""
+    out = {}
+    for spec in policies:
+        eviction, _ = parse_spec(spec)
+        if eviction == "belady":
+            continue
+        t0 = time.process_time()
+        res = replay(prep, spec, slots, "global", engine="table")
+        out[spec] = (time.process_time() - t0) / res.accesses * 1e6
+    return out
+
+
+def table(results: dict, policies) -> str:
+    """Markdown: one row per trace x config, one column per policy; then averages."""
+    lines = ["| trace | config | Belady misses | " + " | ".join(policies) + " |",
+             "|---|---|---|" + "---|" * len(policies)]
+    for name, rows in results.items():
+        for config, row in rows.items():
+            cells = " | ".join(f"{row[p]:.2f}" for p in policies)
+            lines.append(f"| {name} | {config} | {row['belady']} | {cells} |")
+        avg = {p: sum(r[p] for r in rows.values()) / len(rows) for p in policies}
+        lines.append(f"| {name} | **average** | | " + " | ".join(f"**{avg[p]:.2f}**" for p in policies) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--traces", nargs="+", default=["code", "general"])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--tokens", type=int, default=0, help="first N tokens of each trace (0 = all)")
+    ap.add_argument("--timing", action="store_true", help="also measure microseconds per access")
+    ap.add_argument("--json", type=Path, help="save figures here")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else None
+    results, costs = {}, {}
+    for name in args.traces:
+        prep = Prepared(load(name, args.tokens))
+        results[name] = ratios(prep, args.policies, log)
+        if args.timing:
+            costs[name] = cost_per_access(prep, args.policies, slots_of(prep.trace, 0.125))
+    print(table(results, args.policies))
+    for name, cost in costs.items():
+        print(f"\nµs per access through SlotTable ({name}, global 12.5%): "
+              + ", ".join(f"{p} {us:.2f}" for p, us in cost.items()))
+    if args.json:
+        args.json.write_text(json.dumps({"ratios": results, "us_per_access": costs,
+                                         "tokens": args.tokens or "all",
+                                         "machine": platform.platform(),
+                                         "python": platform.python_version()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
