@@ -75,17 +75,42 @@ def test_kernels_equal_slot_table_on_real_trace_slices(name, partition):
     for slots in (384, 1536):
         for one_pass in lru_all_sizes(prep, [slots], partition):
             assert same(replay(prep, "lru", slots, partition, engine="table"), one_pass)
-        for policy in ("lru", "fifo", "belady"):
+        for policy in ("lru", "fifo", "belady", "lru+second-hit", "fifo+window"):
             table = replay(prep, policy, slots, partition, engine="table")
             assert same(table, replay(prep, policy, slots, partition, engine="fast")), (policy, slots)
+
+
+ADMISSIONS = [("second-hit", {}), ("second-hit", {"ghost": 1}), ("second-hit", {"ghost": 5}),
+              ("window", {}), ("window", {"n": 1, "w": 1}), ("window", {"n": 3, "w": 4}),
+              ("window", {"n": 2, "w": 1})]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "fifo"])
+@pytest.mark.parametrize("partition", ["global", "per-layer"])
+def test_admission_kernels_equal_slot_table(eviction, partition):
+    rng = np.random.default_rng([ord(c) for c in eviction + partition + "admit"])
+    bypassed = 0
+    for _ in range(15):
+        prep = Prepared(random_trace(rng))
+        for admission, params in ADMISSIONS:
+            for slots in sizes(prep.trace, partition)[:3]:
+                policy = f"{eviction}+{admission}"
+                table = replay(prep, policy, slots, partition, engine="table", admission_params=params)
+                fast = replay(prep, policy, slots, partition, engine="fast", admission_params=params)
+                assert same(table, fast), (policy, params, partition, slots, prep.trace.experts.tolist())
+                bypassed += fast.total.bypasses
+    assert bypassed > 0  # admission really refused something in these runs
 
 
 def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
     prep = Prepared(random_trace(np.random.default_rng(3)))
     k, L = prep.trace.top_k, prep.trace.num_layers
     slots = (k + 1) * L
-    assert replay(prep, "lru+second-hit", slots).engine == "table"
+    assert replay(prep, "lru+never", slots).engine == "table"
+    assert replay(prep, "belady+second-hit", slots).engine == "table"
+    assert replay(prep, "slru", slots).engine == "table"
     assert replay(prep, "lru", slots, seed=[0]).engine == "table"
     assert replay(prep, "lru", slots).engine == "lru-kernel"
+    assert replay(prep, "fifo+window", slots).engine == "fifo-kernel"
     with pytest.raises(ValueError, match="no fast kernel"):
-        replay(prep, "fifo+window", slots, engine="fast")
+        replay(prep, "arc", slots, engine="fast")

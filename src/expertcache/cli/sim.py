@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--miss-path", default="auto", choices=("auto", "fetch", "cpu"))
     p.add_argument("--expert-bytes", type=int, help="bytes of one expert (else trace meta or --model)")
     p.add_argument("--model", help="model preset for expert size and FLOPs (see presets)")
+    p.add_argument("--dense-bytes", type=int, default=0,
+                   help="non-expert weight bytes read per token (attention, shared experts); default 0")
     p.add_argument("--workers", type=int, help="processes for SlotTable replays (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed for synth:PRESET traces")
     p.add_argument("--imatrix", metavar="FILE", help="expert counts (imatrix .gguf, trace, popularity "
@@ -58,7 +60,7 @@ def run(args) -> int:
     for spec in policies:
         resolve_policy(spec)  # unknown names fail before any replay
     hw = load_hardware(args.hardware)
-    cost = expert_cost(trace, args.expert_bytes, args.model)
+    cost = expert_cost(trace, args.expert_bytes, args.model, args.dense_bytes)
     if args.sweep is not None:
         slots = sweep_sizes(trace, args.partition, args.sweep)
     elif args.slots:

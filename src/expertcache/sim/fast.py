@@ -61,14 +61,23 @@ def step_phases(phase: np.ndarray, num_layers: int) -> np.ndarray:
 
 
 # -- LRU / FIFO at one capacity ------------------------------------------------
+# Admission codes for list_replay (policies/admission.py): always, second-hit, window.
+ADMIT_ALWAYS, ADMIT_SECOND_HIT, ADMIT_WINDOW = 0, 1, 2
+
+
 @njit(cache=True)
-def list_replay(keys, phases, L, E, parts, cap, lru):
-    """LRU (``lru=True``) or FIFO at one capacity per partition.
+def list_replay(keys, phases, L, E, parts, cap, lru, admit=0, ghost=1, n_uses=1, window=1):
+    """LRU (``lru=True``) or FIFO at one capacity per partition, with admission.
 
     ``parts`` is 1 (global pool) or L (one partition per layer). A doubly
     linked list per partition keeps insertion / recency order, oldest first.
-    List surgery is written inline and counts are summed per step: this loop
-    runs millions of times, and both made it about ten times faster.
+    ``admit`` picks the admission policy: second-hit keeps a ghost LRU list of
+    ``ghost`` keys per partition (touched by every access); window admits a
+    key used ``n_uses`` times within its layer's last ``window`` steps. Either
+    only decides when the miss would evict. List surgery is inline, counts
+    are summed per step, and no helper takes arrays (each call would pay
+    reference counting): this loop runs millions of times, and that made it
+    about ten times faster.
     """
     nkeys = L * E
     counts = np.zeros((2, L, 6), np.int64)
@@ -79,10 +88,21 @@ def list_replay(keys, phases, L, E, parts, cap, lru):
     used = np.zeros(parts, np.int64)
     resident = np.zeros(nkeys, np.bool_)
     stamp = np.full(nkeys, -1, np.int32)  # step that last needed the key = protected
+    # second-hit: a ghost LRU list per partition (same layout as the cache's)
+    gprev = np.full(nkeys, -1, np.int32)
+    gnext = np.full(nkeys, -1, np.int32)
+    ghead = np.full(parts, -1, np.int32)
+    gtail = np.full(parts, -1, np.int32)
+    gsize = np.zeros(parts, np.int64)
+    in_ghost = np.zeros(nkeys, np.bool_)
+    # window: the last n_uses use times (token index = the layer's step count) per key
+    uses = np.full((nkeys if admit == ADMIT_WINDOW else 1, n_uses), -(1 << 40), np.int64)
+    nuse = np.zeros(nkeys if admit == ADMIT_WINDOW else 1, np.int64)
     K = keys.shape[1]
     layer = L - 1
     for s in range(keys.shape[0]):
         layer = 0 if layer == L - 1 else layer + 1   # s % L
+        token = s // L                               # the layer's own step count
         p = 0 if parts == 1 else layer
         row = keys[s]
         for j in range(K):
@@ -94,6 +114,41 @@ def list_replay(keys, phases, L, E, parts, cap, lru):
             if key < 0:
                 continue
             acc += 1
+            ok = True  # admission's answer should this access miss with the pool full
+            if admit == ADMIT_SECOND_HIT:
+                ok = in_ghost[key]
+                if ok:  # unlink from the ghost list (re-appended below)
+                    a, b = gprev[key], gnext[key]
+                    if a >= 0:
+                        gnext[a] = b
+                    else:
+                        ghead[p] = b
+                    if b >= 0:
+                        gprev[b] = a
+                    else:
+                        gtail[p] = a
+                else:
+                    in_ghost[key] = True
+                    gsize[p] += 1
+                t = gtail[p]
+                gprev[key], gnext[key] = t, -1
+                if t >= 0:
+                    gnext[t] = key
+                else:
+                    ghead[p] = key
+                gtail[p] = key
+                if gsize[p] > ghost:  # forget the oldest ghost
+                    old = ghead[p]
+                    ghead[p] = gnext[old]
+                    gprev[gnext[old]] = -1  # ghost > 0, so old is not the only entry
+                    in_ghost[old] = False
+                    gsize[p] -= 1
+            elif admit == ADMIT_WINDOW:
+                u, c = uses[key], nuse[key]
+                u[c % n_uses] = token     # ring of the key's last n_uses use times
+                nuse[key] = c + 1
+                # n_uses uses within the window iff the oldest in the ring is in it
+                ok = u[(c + 1) % n_uses] > token - window
             if resident[key]:
                 hit += 1
                 if lru and tail[p] != key:  # move to the recent end (key has a successor)
@@ -112,7 +167,7 @@ def list_replay(keys, phases, L, E, parts, cap, lru):
                 victim = head[p]
                 while victim >= 0 and stamp[victim] == s:
                     victim = nxt[victim]
-                if victim < 0:  # everything resident is protected
+                if victim < 0 or not ok:  # all protected, or admission said no
                     bypass += 1
                     continue
                 a, b = prev[victim], nxt[victim]

@@ -1,7 +1,8 @@
 """Sweeps: many policies at many sizes, as fast as exactness allows.
 
-Plain ``lru`` gets every size from one stack-distance pass; ``fifo`` and
-``belady`` run exact numba kernels per size; every other policy (including
+Plain ``lru`` gets every size from one stack-distance pass; ``fifo``,
+``belady`` and lru / fifo with second-hit or window admission run exact numba
+kernels per size; every other policy (including
 third-party entry-point policies) replays through ``SlotTable`` in worker
 processes, one job per (policy, size).
 """
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..stats import Stats
 from ..trace.format import Trace
-from .replay import (FAST_POLICIES, PolicySpec, Prepared, ReplayResult, check_table, fast_counts,
+from .replay import (PolicySpec, Prepared, ReplayResult, check_table, fast_counts, has_kernel,
                      kernel_fits, lru_all_sizes, resolve_policy, table_replay)
 
 OPTIMUM = "belady"
@@ -88,16 +89,16 @@ def sweep_sizes(trace: Trace, partition: str, points: int) -> list[int]:
 
 # -- jobs -----------------------------------------------------------------------
 def _fast(spec: PolicySpec) -> bool:
-    return spec.eviction in FAST_POLICIES and spec.admission == "always"
+    return has_kernel(spec)
 
 
 def _fast_results(prep: Prepared, spec: PolicySpec, slots_list, partition) -> list[ReplayResult]:
-    if spec.eviction == "lru":
+    if (spec.eviction, spec.admission) == ("lru", "always"):
         out = lru_all_sizes(prep, slots_list, partition)
     else:
         out = []
         for slots in slots_list:
-            counts, engine = fast_counts(prep, spec.eviction, slots, partition)
+            counts, engine = fast_counts(prep, spec, slots, partition)
             out.append(ReplayResult(spec.eviction, spec.admission, partition, slots,
                                     Stats(counts.tolist()), engine, spec.label))
     for r in out:

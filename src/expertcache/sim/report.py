@@ -11,7 +11,7 @@ from .replay import ReplayResult
 
 
 def expert_cost(trace: Trace, expert_bytes: int | None = None,
-                model: str | None = None) -> ExpertCost | None:
+                model: str | None = None, dense_bytes: int = 0) -> ExpertCost | None:
     """Bytes (and FLOPs) of one expert: ``expert_bytes`` > trace meta > model preset.
 
     None when the size is unknown: then ``bytes_moved`` and ``predicted_tok_s`` are null.
@@ -27,7 +27,9 @@ def expert_cost(trace: Trace, expert_bytes: int | None = None,
     if size is None:
         return None
     flops = 2.0 * 3 * shape.hidden * shape.expert_ff if shape else None  # gate, up, down
-    return ExpertCost(int(size), flops)
+    if dense_bytes < 0:
+        raise ValueError(f"dense bytes must not be negative, got {dense_bytes}")
+    return ExpertCost(int(size), flops, int(dense_bytes))
 
 
 def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
