@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "probe", "trace", "generate")
+COMMANDS = ("policies", "imatrix", "sim", "probe", "trace", "generate", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

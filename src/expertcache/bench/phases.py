@@ -1,0 +1,37 @@
+"""Decode phases of a run: cold start, warm-up and steady state.
+
+Over the N decode tokens of a run, in order:
+
+* cold: tokens ``0 .. 15`` (the cache starts empty, nearly every expert misses);
+* warm-up: tokens ``16 .. N/4 - 1`` (the cache fills, hit rate still rising);
+* steady: tokens ``N/4 .. N - 1`` (the figure that decides throughput).
+
+A phase with no tokens (short runs) reports None. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+COLD_TOKENS = 16
+PHASES = ("cold", "warm", "steady")
+
+
+def bounds(n: int) -> dict[str, range]:
+    """Token index ranges of each phase for a run of ``n`` decode tokens."""
+    cold_end = min(COLD_TOKENS, n)
+    warm_end = max(cold_end, n // 4)
+    return {"cold": range(0, cold_end), "warm": range(cold_end, warm_end),
+            "steady": range(warm_end, n)}
+
+
+def ms_per_token(seconds: Sequence[float]) -> dict[str, float | None]:
+    """Mean milliseconds per token in each phase (mean, not median: throughput counts spikes)."""
+    out = {}
+    for name, idx in bounds(len(seconds)).items():
+        out[name] = 1e3 * sum(seconds[i] for i in idx) / len(idx) if len(idx) else None
+    return out
+
+
+def steady_start(n: int) -> int:
+    return bounds(n)["steady"].start

@@ -1,0 +1,160 @@
+"""Bench results as JSON rows (issue 7 schema), cost-model predictions, machine description.
+
+Per-token figures count decode tokens only. ``h2d_bytes_per_token`` is expert bytes
+copied into slots per decode token; ``slot_bytes`` the memory the pool holds.
+Torch-free apart from what ``BenchResult`` carries.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from ..sim.costmodel import ExpertCost, Hardware, token_time
+from .phases import ms_per_token
+from .strategies import OPTIMUM
+
+
+def predicted_ms(run, shape, hw: Hardware | None) -> float | None:
+    """The cost model's steady ms per token for this run's strategy and steady counts."""
+    if hw is None or run.skipped or not run.seconds:
+        return None
+    cost = ExpertCost(shape.expert_bytes)
+    per_token = shape.layers * shape.top_k
+    kind = run.strategy.kind
+    if kind == "resident":
+        t = token_time(per_token, 0, cost, hw, layers=shape.layers, miss_path="fetch")
+    elif kind == "copy-every-pass":
+        t = token_time(0, per_token, cost, hw, layers=shape.layers, miss_path="fetch")
+    elif kind == "cpu":
+        t = token_time(0, per_token, cost, hw, layers=shape.layers, miss_path="cpu")
+    else:
+        steady = run.steady
+        tokens = steady.accesses / per_token if per_token else 0
+        if not tokens:
+            return None
+        t = token_time(steady.hits / tokens, steady.misses / tokens, cost, hw,
+                       layers=shape.layers, miss_path="fetch")
+    return 1e3 * t
+
+
+def row(run, result) -> dict:
+    """One ``results`` entry: the issue's fields plus tok/s, prediction and time breakdown."""
+    s, shape = run.strategy, result.shape
+    n = len(run.seconds)
+    ms = ms_per_token(run.seconds) if n else {"cold": None, "warm": None, "steady": None}
+    d = run.decode
+    pred = predicted_ms(run, shape, result.hardware)
+    out = {"strategy": s.name, "policy": s.policy, "slots": _slots(run, shape),
+           "accesses": d.accesses, "hits": d.hits, "misses": d.misses,
+           "hit_rate": d.hit_rate if d.accesses else None,
+           "h2d_bytes_per_token": run.h2d_decode / n if n else None,
+           "slot_bytes": run.slot_bytes, "ms_per_token": ms,
+           "tok_s": 1e3 / ms["steady"] if ms["steady"] else None,
+           "steady_hit_rate": run.steady.hit_rate if run.steady.accesses else None,
+           "predicted_ms_per_token": pred,
+           "predicted_ratio": pred / ms["steady"] if pred and ms["steady"] else None}
+    if run.parts and ms["steady"]:
+        total = ms["steady"] / 1e3
+        other = total - run.parts["copy"] - run.parts["compute"]
+        out["steady_breakdown_ms"] = {k: 1e3 * v for k, v in run.parts.items()} | {"other": 1e3 * other}
+        out["overhead_share"] = other / total
+    if run.skipped:
+        out["skipped"] = run.skipped
+    return out
+
+
+def _slots(run, shape) -> int | None:
+    if run.strategy.kind == "resident":
+        return shape.layers * shape.experts
+    if run.strategy.kind in ("copy-every-pass", "cpu"):
+        return 0
+    return run.strategy.slots
+
+
+def document(result, results_rows: list[dict]) -> dict:
+    """The whole ``--json`` document."""
+    shape, trace = result.shape, result.trace
+    hw = result.hardware
+    return {"model": shape.name, "layers": shape.layers, "top_k": shape.top_k,
+            "num_experts": shape.experts, "expert_bytes": shape.expert_bytes,
+            "tokens": sum(1 for p in trace.phases if p == 1), "device": str(result.device),
+            "hidden": shape.hidden, "expert_ff": shape.expert_ff, "dtype": shape.dtype,
+            "partition": result.partition, "trace": trace.meta.get("source", trace.meta.get("model")),
+            "machine": machine(result.device),
+            "cost_model": None if hw is None else {k: getattr(hw, k) for k in (
+                "name", "h2d_gbps", "gpu_mem_gbps", "cpu_mem_gbps", "cpu_gflops",
+                "transfer_latency_s", "layer_overhead_s", "source")},
+            "phases": "cold: decode tokens 0-15; warm: 16 to N/4-1; steady: N/4 to N-1",
+            "results": results_rows, "notes": result.notes}
+
+
+def machine(device) -> dict:
+    """CPU model, cores, memory and (on CUDA) the GPU, for results files."""
+    info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        if getattr(device, "type", str(device)) == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(device)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as fh:
+            info["mem_total_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def verdict(rows: list[dict]) -> str:
+    """Plain words: which strategy was fastest in steady state, by how much, at which size."""
+    ran = [r for r in rows if r.get("tok_s")]
+    if not ran:
+        return "No strategy ran to a steady phase: give more --tokens (at least 64)."
+    causal = [r for r in ran if r["policy"] != OPTIMUM]
+    best = max(causal, key=lambda r: r["tok_s"])
+    base = {r["strategy"]: r for r in ran if r["strategy"] in ("copy-every-pass", "cpu")}
+    words = [f"Fastest in steady state: {_name(best)} at {best['tok_s']:.1f} tok/s (MoE part)."]
+    for name, r in base.items():
+        if r is not best:
+            words.append(f"{best['tok_s'] / r['tok_s']:.2f}x the speed of {name} ({r['tok_s']:.1f} tok/s).")
+    caches = [r for r in causal if r["strategy"] == "cache"]
+    if caches:
+        bc = max(caches, key=lambda r: r["tok_s"])
+        ref = base.get("copy-every-pass")
+        words.append(f"The best cache, {_name(bc)}, hit {bc['steady_hit_rate']:.0%} in steady state"
+                     + (f" and ran {bc['tok_s'] / ref['tok_s']:.2f}x copy-every-pass." if ref else "."))
+        small = _smallest_good(caches, ref)
+        if small:
+            words.append(f"Smallest pool that beats copy-every-pass by 1.5x: {small['slots']} slots "
+                         f"({small['slot_bytes'] / 2**20:.0f} MiB).")
+    opt = [r for r in ran if r["policy"] == OPTIMUM]
+    if opt and caches:
+        o = max(opt, key=lambda r: r["tok_s"])
+        words.append(f"Belady (the offline optimum) at {o['slots']} slots: {o['tok_s']:.1f} tok/s.")
+    return " ".join(words)
+
+
+def _smallest_good(caches: list[dict], ref: dict | None) -> dict | None:
+    if not ref:
+        return None
+    good = [r for r in caches if r["tok_s"] >= 1.5 * ref["tok_s"]]
+    return min(good, key=lambda r: r["slots"]) if good else None
+
+
+def _name(r: dict) -> str:
+    return r["strategy"] if r["strategy"] != "cache" else f"cache {r['policy']} with {r['slots']} slots"

@@ -1,0 +1,105 @@
+"""``run_bench``: every strategy on one workload, on one device, plus the cost model's view.
+
+The host experts are built once and shared; each strategy gets its own runtime cache
+(slot pool), runs every token of the trace and is freed before the next, so peak
+memory is the host experts plus the largest pool. ``resident`` needs a pool of every
+expert: where the device cannot hold it, it is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..presets import ModelShape
+from ..sim.costmodel import Hardware
+from ..sim.replay import Prepared
+from ..trace.format import Trace
+from .live import Inputs, Run, build_cache, run_strategy
+from .model import BenchShape, experts_module, host_experts
+from .strategies import Strategy
+
+
+@dataclass
+class BenchResult:
+    shape: BenchShape
+    trace: Trace
+    device: torch.device
+    runs: list[Run]
+    hardware: Hardware | None
+    partition: str
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"unknown --device {name!r}; use auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
+    return torch.device(name)
+
+
+def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, scale: float = 1.0,
+              dtype: str = "bf16", device: str = "auto", partition: str = "global",
+              hardware: Hardware | str | None = "calibrate", seed: int = 0,
+              threads: int | None = None,
+              progress: Callable[[str], None] = lambda _msg: None) -> BenchResult:
+    """Run ``strategies`` on ``trace`` with ``model``'s expert dims times ``scale``."""
+    dev = resolve_device(device)
+    if threads:
+        torch.set_num_threads(threads)
+    shape = BenchShape.from_preset(model, trace.num_layers, scale, dtype)
+    _check_host_memory(shape)
+    progress(f"building {shape.layers} x {shape.experts} experts of {shape.expert_bytes / 2**20:.2f} MiB "
+             f"({shape.host_bytes / 2**30:.2f} GiB host) ...")
+    module = experts_module(shape).to(dev)
+    hosts = host_experts(shape, seed=seed, pin=dev.type == "cuda")
+    inputs = Inputs(trace, shape.hidden, shape.torch_dtype, dev, seed)
+    prepared = Prepared(trace)  # belady's future: a fresh Future per run (it is consumed as it replays)
+    hw = _hardware(hardware, module, hosts, dev, trace.top_k, progress)
+    runs, notes = [], []
+    for strategy in strategies:
+        progress(f"running {strategy.title} ...")
+        try:
+            cache = build_cache(strategy, hosts, trace.top_k, dev, partition,
+                                prepared.future() if strategy.kind == "belady" else None)
+        except ValueError as err:  # e.g. resident needs more memory than the device has
+            runs.append(Run(strategy, [], *_empty(), torch.empty(0), skipped=str(err)))
+            notes.append(f"{strategy.title} skipped: {err}")
+            continue
+        runs.append(run_strategy(cache, strategy, module, inputs))
+        del cache
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return BenchResult(shape, trace, dev, runs, hw, partition, notes)
+
+
+def _hardware(hardware, module, hosts, dev, top_k, progress) -> Hardware | None:
+    if hardware is None or isinstance(hardware, Hardware):
+        return hardware
+    if hardware == "calibrate":
+        from .calibrate import calibrate
+        progress("calibrating the cost model on this device ...")
+        return calibrate(module, hosts, dev, top_k)
+    from ..sim.hardware import load_hardware
+    return load_hardware(hardware)
+
+
+def _empty():
+    from ..stats import Counts
+    return Counts(), Counts(), 0, 0
+
+
+def _check_host_memory(shape: BenchShape) -> None:
+    from ..runtime.engine import free_memory
+    free = free_memory(torch.device("cpu"))
+    if free is not None and shape.host_bytes > 0.9 * free:
+        raise ValueError(f"{shape.layers} layers of experts need {shape.host_bytes / 2**30:.1f} GiB of "
+                         f"host memory but {free / 2**30:.1f} GiB are free; give fewer --layers or a "
+                         f"smaller --scale")

@@ -1,0 +1,81 @@
+"""What the benchmark runs side by side: baselines and the cache, as configurations.
+
+DESIGN.md: baselines are configurations, not separate code. ``resident``,
+``copy-every-pass`` and ``cpu`` are ``CacheConfig`` baselines the runtime already
+knows; a cache strategy is one (policy, slots) pair; ``belady`` is the cache with
+the offline optimum, which only a replayed trace makes possible. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import CacheConfig
+from ..sim.replay import resolve_policy
+
+BASELINES = ("resident", "copy-every-pass", "cpu")
+OPTIMUM = "belady"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One column of the benchmark. ``kind`` is a baseline name, ``cache`` or ``belady``."""
+
+    kind: str
+    slots: int | None = None
+    eviction: str | None = None
+    admission: str = "always"
+    label: str = ""            # what the user asked for, e.g. "default (lru)"
+
+    @property
+    def name(self) -> str:
+        """Row name in tables and the JSON ``strategy`` field."""
+        return self.kind
+
+    @property
+    def policy(self) -> str | None:
+        """The JSON ``policy`` field: the policy label for caches, None for baselines."""
+        if self.kind == "cache":
+            return self.label
+        return OPTIMUM if self.kind == OPTIMUM else None
+
+    @property
+    def title(self) -> str:
+        return self.kind if self.slots is None else f"{self.policy} @ {self.slots}"
+
+    def config(self, partition: str = "global") -> CacheConfig:
+        """The runtime configuration (belady runs as lru here; the bench swaps in the oracle table)."""
+        if self.kind in BASELINES:
+            return CacheConfig(baseline=self.kind, partition=partition)
+        eviction = "lru" if self.kind == OPTIMUM else self.eviction
+        return CacheConfig(slots=self.slots, eviction=eviction, admission=self.admission,
+                           partition=partition)
+
+    @property
+    def sim_policy(self) -> str:
+        """The spec ``expertcache sim`` replays for the same configuration."""
+        if self.kind == OPTIMUM:
+            return OPTIMUM
+        return f"{self.eviction}+{self.admission}"
+
+
+def plan(policies: list[str], slots: list[int], *, baselines: bool = True,
+         optimum: bool = True) -> list[Strategy]:
+    """Baselines first, then every policy at every size, then belady at every size."""
+    if not slots and policies:
+        raise ValueError("give at least one slot count for the cache strategies")
+    out = [Strategy(b) for b in BASELINES] if baselines else []
+    for spec in policies:
+        if spec.strip() == OPTIMUM:
+            continue  # belady is added once below, not as a causal policy
+        p = resolve_policy(spec)
+        out += [Strategy("cache", n, p.eviction, p.admission, p.label) for n in slots]
+    if optimum:
+        out += [Strategy(OPTIMUM, n, OPTIMUM, "always", OPTIMUM) for n in slots]
+    return out
+
+
+def default_policy() -> str:
+    """``default`` when that policy is registered (the researched one), else ``lru``."""
+    from ..policies.registry import eviction_policies
+    return "default" if "default" in eviction_policies() else "lru"

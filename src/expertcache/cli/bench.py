@@ -1,0 +1,114 @@
+"""``expertcache bench``: decode time per token with real expert weights, strategy by strategy.
+
+Routing is replayed from ``--trace FILE`` or a synthetic ``--preset``; expert weights
+(Qwen3-style SwiGLU, the preset's dimensions times ``--scale``) live in host memory
+and the runtime's slot pool on the device. Strategies side by side: resident,
+copy-every-pass, cpu, the cache for every ``--policy`` x ``--slots``, and belady.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="decode benchmark: baselines vs the cache on real expert weights",
+                       description=__doc__)
+    p.add_argument("--trace", help="routing trace .npz to replay (default: synthetic)")
+    p.add_argument("--preset", help="model shape: qwen3-30b-a3b, gpt-oss-120b, mixtral-8x7b, olmoe, ... "
+                                    "(alone: a synthetic trace of it)")
+    p.add_argument("--scale", type=float, default=0.125,
+                   help="multiplies hidden and expert FF sizes (1 = real size; default 0.125)")
+    p.add_argument("--layers", type=int, help="run only the first N MoE layers")
+    p.add_argument("--tokens", type=int, default=256, help="tokens replayed (default 256)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--policy", help="cache policies, comma separated, e.g. lru,slru+second-hit "
+                                    "(default: 'default' if registered, else lru)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--slots", help="total slots, comma separated (e.g. 256,512)")
+    size.add_argument("--fraction", help="share of all L x E experts in slots (default 0.125,0.25,0.5)")
+    p.add_argument("--partition", default="global", choices=("global", "per-layer"))
+    p.add_argument("--no-belady", action="store_true", help="skip the belady (offline optimum) runs")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip resident, copy-every-pass and cpu")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--hardware", default="calibrate",
+                   help="cost-model profile for predictions: 'calibrate' (measure here, default), "
+                        "'none', a preset (pcie4-consumer, ...) or a JSON from 'expertcache probe'")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights, hidden vectors, synthetic traces")
+    p.add_argument("--json", metavar="OUT", help="write results as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="draw steady tok/s against slots per strategy")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    doc = bench_from_args(args)
+    from ..bench.report import verdict
+    from ..bench.table import print_table
+    print_table(doc)
+    print(verdict(doc["results"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from ..bench.plot import plot_tok_s
+        plot_tok_s(doc["results"], args.plot, title=_title(doc))
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def bench_from_args(args) -> dict:
+    """Parse, run every strategy, and return the JSON document (shared with ``demo``)."""
+    from ..bench import strategies as st
+    from ..bench.workload import load_workload
+    from ..sim.replay import slots_for_fraction
+
+    trace, model = load_workload(args.trace, args.preset, args.tokens, args.layers, args.seed)
+    policies = _list(args.policy or st.default_policy(), str, "--policy")
+    if args.slots:
+        slots = _list(args.slots, int, "--slots")
+    else:
+        slots = [slots_for_fraction(trace, f) for f in _list(args.fraction or "0.125,0.25,0.5", float,
+                                                              "--fraction")]
+    strategies = st.plan(policies, sorted(set(slots)), baselines=not args.no_baselines,
+                         optimum=not args.no_belady)
+    for s in strategies:  # bad sizes (below top-k, ...) fail before any weight is built
+        if s.slots is not None:
+            from ..sim.replay import check_table, resolve_policy
+            check_table(trace, resolve_policy(s.sim_policy), s.slots, args.partition)
+    return run_and_document(trace, model, strategies, args)
+
+
+def run_and_document(trace, model, strategies, args) -> dict:
+    from ..bench.report import document, row
+    from ..bench.run import run_bench
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    hardware = None if args.hardware == "none" else args.hardware
+    result = run_bench(trace, model, strategies, scale=args.scale, dtype=args.dtype,
+                       device=args.device, partition=args.partition, hardware=hardware,
+                       seed=args.seed, threads=args.threads,
+                       progress=lambda m: print(m, file=sys.stderr))
+    doc = document(result, [row(r, result) for r in result.runs])
+    doc["scale"] = args.scale
+    return doc
+
+
+def _title(doc: dict) -> str:
+    return (f"{doc['model']} x{doc['scale']:g}, {doc['layers']} layers, {doc['tokens']} tokens, "
+            f"{doc['device']} ({doc['machine']['cpu'][:40]})")
+
+
+def _list(text: str, kind, flag: str) -> list:
+    try:
+        values = [kind(x.strip()) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
