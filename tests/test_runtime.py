@@ -262,3 +262,32 @@ def test_runtime_with_the_device_matmul_strategy(reference, ids):
     model.expertcache.pool.grouped = True
     _assert_same(model, reference, ids)
     assert model.expertcache.stats().total().evictions > 0
+
+
+def test_auto_sends_few_token_experts_to_the_host(reference, ids, monkeypatch):
+    """With a cost model whose break-even is 2 tokens, decode misses (1 token each) run on the
+    host and the prompt's misses (most experts see several tokens) mostly on the device."""
+    from expertcache.runtime import experts as experts_mod
+    from expertcache.runtime.miss import CostModel
+
+    model = offload(copy.deepcopy(reference), slots=3, miss="auto")
+    model.expertcache.cost = CostModel(h2d_bytes_per_s=1.0, host_bytes_per_s=float("inf"), host_flops=1.0)
+    on_host = {0: 0, 1: 0}
+    real = experts_mod.cpu_experts
+
+    def spy(module, host, experts, *args):
+        on_host[model.expertcache.phase] += len(experts)
+        return real(module, host, experts, *args)
+
+    monkeypatch.setattr(experts_mod, "cpu_experts", spy)
+    _assert_same(model, reference, ids)
+    stats = model.expertcache.stats()
+    assert on_host[1] == stats.total("decode").misses > 0  # every decode miss: 1 token -> host
+    assert on_host[0] < stats.total("prefill").misses      # wide prompt experts -> device
+
+
+def test_device_must_exist(reference):
+    with _error("no CUDA device" if not torch.cuda.is_available() else "unknown device"):
+        offload(copy.deepcopy(reference), slots=4, device="cuda" if not torch.cuda.is_available() else "nope")
+    with _error("unknown device"):
+        offload(copy.deepcopy(reference), slots=4, device="nope")

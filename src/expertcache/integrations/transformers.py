@@ -59,7 +59,7 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
         check_layout(module, name)
         if config.effective().miss != "fetch" and getattr(module, "has_post_expert_norm", False):
             raise ValueError(f"{name}: experts with a post-expert norm support only miss='fetch'")
-    device = torch.device(config.device) if config.device else default_device()
+    device = _device(config.device)
     hosts = [HostExperts.take(module, pin=torch.cuda.is_available()) for _, module in found]
     _check_uniform(hosts, found)
     model.to(device)  # the dense part; the experts modules no longer hold their weights
@@ -68,6 +68,21 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
         module._expertcache = (cache, layer)
     _attach(model, cache)
     return model
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but torch sees no CUDA device "
+                         f"(torch {torch.__version__}); use device='cpu' or a CUDA build of torch")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {name!r} is not supported yet; use cuda or cpu")
+    return device
 
 
 def default_device() -> torch.device:
