@@ -42,8 +42,8 @@ class CacheConfig:
     staging: int | None = None
     device: str | None = None
     dtype: str | None = None
-    imatrix: str | None = None          # placeholder: llama.cpp imatrix file for hot-expert placement
-    imatrix_mode: str = "pin"           # placeholder: 'pin' (never evicted) or 'seed' (preloaded)
+    imatrix: str | None = None          # per-expert counts (imatrix .gguf, trace, .npy, JSON): hot experts
+    imatrix_mode: str = "pin"           # placed before step 1: 'pin' (never evicted) or 'seed' (evictable)
 
     def __post_init__(self) -> None:
         self._check_capacity()
