@@ -1,7 +1,8 @@
 """The numba kernels equal the SlotTable path, counter for counter (per layer and
 phase: accesses, hits, misses, loads, evictions, bypasses), on many random traces
 and on slices of the shared real traces; LRU's one-pass stack distances equal a
-SlotTable replay at every size."""
+SlotTable replay at every size. The slru and arc kernels mirror another module's
+policies: a change there without its kernel fails here."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def same(a, b) -> bool:
     return a.stats.to_dict() == b.stats.to_dict()
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo", "belady"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "belady", "slru", "arc"])
 @pytest.mark.parametrize("partition", ["global", "per-layer"])
 def test_kernel_equals_slot_table_on_random_traces(policy, partition):
     rng = np.random.default_rng([ord(c) for c in policy + partition])
@@ -75,7 +76,7 @@ def test_kernels_equal_slot_table_on_real_trace_slices(name, partition):
     for slots in (384, 1536):
         for one_pass in lru_all_sizes(prep, [slots], partition):
             assert same(replay(prep, "lru", slots, partition, engine="table"), one_pass)
-        for policy in ("lru", "fifo", "belady", "lru+second-hit", "fifo+window"):
+        for policy in ("lru", "fifo", "belady", "lru+second-hit", "fifo+window", "slru", "arc"):
             table = replay(prep, policy, slots, partition, engine="table")
             assert same(table, replay(prep, policy, slots, partition, engine="fast")), (policy, slots)
 
@@ -102,15 +103,28 @@ def test_admission_kernels_equal_slot_table(eviction, partition):
     assert bypassed > 0  # admission really refused something in these runs
 
 
+@pytest.mark.parametrize("protected", [0.0, 0.3, 0.95])
+def test_slru_kernel_follows_its_parameter(protected):
+    rng = np.random.default_rng(int(protected * 100))
+    for _ in range(15):
+        prep = Prepared(random_trace(rng))
+        for slots in sizes(prep.trace, "global"):
+            params = {"protected": protected}
+            table = replay(prep, "slru", slots, engine="table", eviction_params=params)
+            fast = replay(prep, "slru", slots, engine="fast", eviction_params=params)
+            assert same(table, fast), (protected, slots, prep.trace.experts.tolist())
+
+
 def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
     prep = Prepared(random_trace(np.random.default_rng(3)))
     k, L = prep.trace.top_k, prep.trace.num_layers
     slots = (k + 1) * L
     assert replay(prep, "lru+never", slots).engine == "table"
     assert replay(prep, "belady+second-hit", slots).engine == "table"
-    assert replay(prep, "slru", slots).engine == "table"
+    assert replay(prep, "s3fifo", slots).engine == "table"
+    assert replay(prep, "slru+second-hit", slots).engine == "table"
     assert replay(prep, "lru", slots, seed=[0]).engine == "table"
     assert replay(prep, "lru", slots).engine == "lru-kernel"
     assert replay(prep, "fifo+window", slots).engine == "fifo-kernel"
     with pytest.raises(ValueError, match="no fast kernel"):
-        replay(prep, "arc", slots, engine="fast")
+        replay(prep, "lfu", slots, engine="fast")

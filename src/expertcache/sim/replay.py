@@ -23,7 +23,7 @@ from ..policies.registry import eviction_policies, parse_spec
 from ..stats import Counts, Stats
 from ..trace.format import Trace
 
-FAST_POLICIES = ("lru", "fifo", "belady")
+FAST_POLICIES = ("lru", "fifo", "belady", "slru", "arc")
 # Admission policies the lru / fifo kernels reproduce, by kernel code (sim.fast.ADMIT_*).
 FAST_ADMISSIONS = {"always": 0, "second-hit": 1, "window": 2}
 ENGINES = ("auto", "table", "fast")
@@ -166,14 +166,14 @@ def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "g
                         pinned)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-    fast_ok = (has_kernel(spec) and not pinned and not seed and not eviction_params
-               and kernel_fits(prep))
+    fast_ok = has_kernel(spec) and not pinned and not seed and kernel_fits(prep)
     if engine == "fast" and not fast_ok:
         raise ValueError(f"no fast kernel for {spec.label!r} with these options; kernels cover "
-                         "lru and fifo (admission always, second-hit or window) and belady, "
-                         "without pinned or seeded keys (use engine 'table' or 'auto')")
+                         "lru and fifo (admission always, second-hit or window), belady, slru "
+                         "and arc, without pinned or seeded keys (use engine 'table' or 'auto')")
     if fast_ok and engine != "table":
-        counts, name = fast_counts(prep, spec, slots, partition, admission_params)
+        counts, name = fast_counts(prep, spec, slots, partition, eviction_params,
+                                   admission_params)
         stats = Stats(counts.tolist())
     else:
         stats, name = table_replay(prep, table, seed), "table"
@@ -187,28 +187,34 @@ def kernel_fits(prep: Prepared) -> bool:
 
 
 def has_kernel(spec: PolicySpec) -> bool:
-    """True if a numba kernel reproduces ``spec`` (default parameters or any admission's)."""
-    if spec.eviction == "belady":
-        return spec.admission == "always"
-    return spec.eviction in FAST_POLICIES and spec.admission in FAST_ADMISSIONS
+    """True if a numba kernel reproduces ``spec`` (with any parameter values)."""
+    if spec.eviction in ("lru", "fifo"):
+        return spec.admission in FAST_ADMISSIONS
+    return spec.eviction in FAST_POLICIES and spec.admission == "always"
 
 
 def fast_counts(prep: Prepared, spec: PolicySpec, slots: int, partition: str,
+                eviction_params: dict | None = None,
                 admission_params: dict | None = None) -> tuple[np.ndarray, str]:
     """Counts ``[2, L, 6]`` from the numba kernel for ``spec`` at one size."""
-    from ..policies.registry import admission_class, check_params
-    from . import fast
+    from ..policies.registry import admission_class, check_params, eviction_class
+    from . import fast, fast_lists
     parts = 1 if partition == "global" else prep.L
     cap = per_partition(slots, partition, prep.L)
+    name = f"{spec.eviction}-kernel"
+    args = (prep.keys, prep.phases, prep.L, prep.E, parts, cap)
+    ev = check_params(eviction_class(spec.eviction), eviction_params or {})
     if spec.eviction == "belady":
         return fast.belady_replay(prep.keys, prep.nexts, prep.phases, prep.L, prep.E,
-                                  parts, cap), "belady-kernel"
-    params = check_params(admission_class(spec.admission), admission_params or {})
-    counts = fast.list_replay(prep.keys, prep.phases, prep.L, prep.E, parts, cap,
-                              spec.eviction == "lru", FAST_ADMISSIONS[spec.admission],
-                              int(params.get("ghost", 1)), int(params.get("n", 1)),
-                              int(params.get("w", 1)))
-    return counts, f"{spec.eviction}-kernel"
+                                  parts, cap), name
+    if spec.eviction == "slru":
+        return fast_lists.slru_replay(*args, int(ev["protected"] * cap)), name
+    if spec.eviction == "arc":
+        return fast_lists.arc_replay(*args), name
+    ad = check_params(admission_class(spec.admission), admission_params or {})
+    counts = fast.list_replay(*args, spec.eviction == "lru", FAST_ADMISSIONS[spec.admission],
+                              int(ad.get("ghost", 1)), int(ad.get("n", 1)), int(ad.get("w", 1)))
+    return counts, name
 
 
 def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str) -> list[ReplayResult]:
