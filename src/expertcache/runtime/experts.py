@@ -83,7 +83,7 @@ def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weigh
             mapping[expert] = slot
         if not mapping:
             continue
-        pool.ready()  # compute waits for this step's copies, on the device only
+        pool.ready(mapping.values())  # compute waits for copies into the slots it reads
         slot_idx = _slot_index(mapping, cache.num_experts, pool.size, top_k_index)
         # (slot, pairs routed to it) in slot order, from the host copy of the routing: no sync
         groups = sorted(Counter(mapping[e] for row in idx_rows for e in row if e in mapping).items())

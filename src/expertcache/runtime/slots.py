@@ -35,7 +35,7 @@ class SlotPool:
         self.grouped = grouped_mm_works(self.device, dtype)  # else a loop of matmuls over used slots
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._read_done: list = [None] * self.size  # per slot: event after its last reader
-        self._pending = False                       # copies issued since the last ready()
+        self._fresh: set[int] = set()               # slots loaded since compute last waited
 
     @property
     def slot_bytes(self) -> int:
@@ -62,14 +62,18 @@ class SlotPool:
                 self.copy_stream.wait_event(self._read_done[slot])
             for kind, dst in self.tensors.items():
                 dst[slot].copy_(host.tensors[kind][expert], non_blocking=True)
-        self._pending = True
+        self._fresh.add(slot)
         return host.expert_bytes
 
-    def ready(self) -> None:
-        """Make the compute stream wait for every load issued so far (no host sync)."""
-        if self.cuda and self._pending:
+    def ready(self, slots=None) -> None:
+        """Make compute wait for the loads into ``slots`` (all when None); no host sync.
+
+        Only when one of them is still in flight: in the cpu miss path the copies of
+        planned loads then keep running while the device computes the hits.
+        """
+        if self.cuda and self._fresh and (slots is None or not self._fresh.isdisjoint(slots)):
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            self._pending = False
+            self._fresh.clear()  # waiting on the stream covers every copy issued so far
 
     def mark_read(self, slots) -> None:
         """Record that compute queued so far reads ``slots``; later loads into them wait for it."""
