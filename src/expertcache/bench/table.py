@@ -11,7 +11,7 @@ def print_table(doc: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(width=max(Console().width, 130))
     t = Table(title=f"{doc['model']} x{doc.get('scale', 1):g}: {doc['layers']} layers x "
                     f"{doc['num_experts']} experts, top-{doc['top_k']}, "
                     f"{doc['expert_bytes'] / 2**20:.2f} MiB/expert, {doc['tokens']} decode tokens, "

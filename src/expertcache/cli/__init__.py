@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "probe", "trace", "generate", "bench")
+COMMANDS = ("policies", "imatrix", "sim", "probe", "trace", "generate", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

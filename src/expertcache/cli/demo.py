@@ -1,0 +1,59 @@
+"""``expertcache demo``: what ``make demo`` runs, in about two minutes on two cores.
+
+Prints the simulator's policy table on the built-in synthetic trace, runs the decode
+benchmark (baselines, the default policy and belady at 12.5/25/50% of the experts)
+on real expert weights, writes both plots and the JSON files to ``--out``, and ends
+with a plain-language verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="simulator table + live benchmark on the built-in trace, with plots",
+                       description=__doc__)
+    p.add_argument("--out", default="demo-out", help="folder for plots and JSON (default ./demo-out)")
+    p.add_argument("--tokens", type=int, default=192,
+                   help="tokens the live benchmark replays (default 192, 64 of them prompt)")
+    p.add_argument("--layers", type=int, default=8, help="MoE layers the live benchmark runs (default 8)")
+    p.add_argument("--scale", type=float, default=0.25,
+                   help="expert size relative to Qwen3-30B-A3B (default 0.25)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: steady timings on a shared machine)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from ..bench.demo import bench_args, sim_part, sim_summary
+    from ..bench.plot import plot_tok_s
+    from ..bench.report import verdict
+    from ..bench.table import print_table
+    from ..trace.synth import default_trace
+    from .bench import _title, bench_from_args
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=max(Console().width, 130))
+    trace = default_trace()
+    console.rule("1. Simulator: hit rate of each policy on the built-in trace (all 48 layers)")
+    table = sim_part(trace, out)
+    console.rule(f"2. Live benchmark: first {args.layers} MoE layers, real expert weights, {args.dtype}")
+    doc = bench_from_args(bench_args(args.tokens, args.layers, args.scale, args.dtype, args.device,
+                                     args.threads))
+    print_table(doc, console)
+    (out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
+    plot_tok_s(doc["results"], out / "bench_tok_s.png", title=_title(doc))
+    console.rule("Verdict")
+    print(sim_summary(table))
+    print(verdict(doc["results"]))
+    print(f"Plots and JSON in {out}/: sim_hit_rate.png, bench_tok_s.png, sim.json, bench.json",
+          file=sys.stdout)
+    return 0
