@@ -291,3 +291,14 @@ def test_device_must_exist(reference):
         offload(copy.deepcopy(reference), slots=4, device="cuda" if not torch.cuda.is_available() else "nope")
     with _error("unknown device"):
         offload(copy.deepcopy(reference), slots=4, device="nope")
+
+
+def test_slot_counts_are_clamped_and_rounded(reference):
+    # more slots than experts: the pool holds each expert once (2 layers x 8 experts)
+    cache = offload(copy.deepcopy(reference), slots=1000).expertcache
+    assert (cache.table.slots, cache.pool.slots) == (16, 16)
+    # per-layer: whole slots per layer (7 -> 3 per layer), nothing allocated for the leftover
+    cache = offload(copy.deepcopy(reference), slots=7, partition="per-layer").expertcache
+    assert (cache.table.slots, cache.table.partition_capacity, cache.pool.slots) == (6, 3, 6)
+    # the cpu miss path never stages: bypasses are computed on the host
+    assert offload(copy.deepcopy(reference), slots=4, miss="cpu").expertcache.pool.staging == 0
