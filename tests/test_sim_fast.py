@@ -1,7 +1,7 @@
 """The numba kernels equal the SlotTable path, counter for counter (per layer and
 phase: accesses, hits, misses, loads, evictions, bypasses), on many random traces
 and on slices of the shared real traces; LRU's one-pass stack distances equal a
-SlotTable replay at every size. The slru and arc kernels mirror another module's
+SlotTable replay at every size. The slru, arc and lfu kernels mirror other modules'
 policies: a change there without its kernel fails here."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def same(a, b) -> bool:
     return a.stats.to_dict() == b.stats.to_dict()
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo", "belady", "slru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "belady", "slru", "arc", "lfu"])
 @pytest.mark.parametrize("partition", ["global", "per-layer"])
 def test_kernel_equals_slot_table_on_random_traces(policy, partition):
     rng = np.random.default_rng([ord(c) for c in policy + partition])
@@ -76,7 +76,8 @@ def test_kernels_equal_slot_table_on_real_trace_slices(name, partition):
     for slots in (384, 1536):
         for one_pass in lru_all_sizes(prep, [slots], partition):
             assert same(replay(prep, "lru", slots, partition, engine="table"), one_pass)
-        for policy in ("lru", "fifo", "belady", "lru+second-hit", "fifo+window", "slru", "arc"):
+        for policy in ("lru", "fifo", "belady", "lru+second-hit", "fifo+window", "slru", "arc",
+                       "lfu"):
             table = replay(prep, policy, slots, partition, engine="table")
             assert same(table, replay(prep, policy, slots, partition, engine="fast")), (policy, slots)
 
@@ -103,16 +104,18 @@ def test_admission_kernels_equal_slot_table(eviction, partition):
     assert bypassed > 0  # admission really refused something in these runs
 
 
-@pytest.mark.parametrize("protected", [0.0, 0.3, 0.95])
-def test_slru_kernel_follows_its_parameter(protected):
-    rng = np.random.default_rng(int(protected * 100))
+@pytest.mark.parametrize("policy, params", [
+    ("slru", {"protected": 0.0}), ("slru", {"protected": 0.3}), ("slru", {"protected": 0.95}),
+    ("lfu", {"decay": 1}), ("lfu", {"decay": 3}), ("lfu", {"decay": 10})])
+def test_kernels_follow_policy_parameters(policy, params):
+    rng = np.random.default_rng([ord(c) for c in policy + repr(params)])
     for _ in range(15):
         prep = Prepared(random_trace(rng))
-        for slots in sizes(prep.trace, "global"):
-            params = {"protected": protected}
-            table = replay(prep, "slru", slots, engine="table", eviction_params=params)
-            fast = replay(prep, "slru", slots, engine="fast", eviction_params=params)
-            assert same(table, fast), (protected, slots, prep.trace.experts.tolist())
+        for partition in ("global", "per-layer"):
+            for slots in sizes(prep.trace, partition):
+                table = replay(prep, policy, slots, partition, engine="table", eviction_params=params)
+                fast = replay(prep, policy, slots, partition, engine="fast", eviction_params=params)
+                assert same(table, fast), (policy, params, slots, prep.trace.experts.tolist())
 
 
 def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
@@ -127,4 +130,4 @@ def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
     assert replay(prep, "lru", slots).engine == "lru-kernel"
     assert replay(prep, "fifo+window", slots).engine == "fifo-kernel"
     with pytest.raises(ValueError, match="no fast kernel"):
-        replay(prep, "lfu", slots, engine="fast")
+        replay(prep, "lfru", slots, engine="fast")

@@ -1,6 +1,6 @@
-"""Exact numba kernels for the list-based policies ``slru`` and ``arc``.
+"""Exact numba kernels for ``slru``, ``arc`` (linked lists) and ``lfu`` (a heap).
 
-They mirror policies/slru.py and policies/arc.py call for call under the
+They mirror policies/slru.py, arc.py and lfu.py call for call under the
 SlotTable's step loop (forced admission, no pins), so sweeps over them need no
 Python replay; tests/test_sim_fast.py holds them equal to SlotTable on random
 and real traces, which is also what catches a policy changed without its kernel.
@@ -184,3 +184,131 @@ def _arc_trim(t1, t2, b1, b2, cap, prev, nxt, head, tail, size, where):
         _remove(head[b1], b1, prev, nxt, head, tail, size, where)
     while size[b2] > 0 and size[t1] + size[t2] + size[b1] + size[b2] > 2 * cap:
         _remove(head[b2], b2, prev, nxt, head, tail, size, where)
+
+
+# -- lfu: an indexed min-heap per partition ---------------------------------------
+TICK_BITS = 36  # lfu packs (count, tick) into one int64: ticks < 2**36, counts < 2**27
+_TICK_MASK = (1 << TICK_BITS) - 1
+
+
+@njit(cache=True)
+def lfu_replay(keys, phases, L, E, parts, cap, decay):
+    """LFU with aging (policies/lfu.py) at one capacity per partition.
+
+    Residents sit in a min-heap of ``count << 36 | tick`` (fewest uses first,
+    then least recently touched), with ``where[key]`` their heap index and
+    ``heap_key`` the key of each heap entry. Every ``decay`` touches of a
+    partition all its counts halve, which can reorder ties: the heap is rebuilt.
+    """
+    nkeys = L * E
+    counts = np.zeros((2, L, 6), np.int64)
+    heap = np.empty(parts * cap, np.int64)
+    heap_key = np.empty(parts * cap, np.int32)
+    size = np.zeros(parts, np.int64)
+    ticks = np.zeros(parts, np.int64)
+    where = np.full(nkeys, -1, np.int32)
+    stamp = np.full(nkeys, -1, np.int32)
+    K = keys.shape[1]
+    todo = np.empty(2 * K + 3, np.int64)
+    layer = L - 1
+    for s in range(keys.shape[0]):
+        layer = 0 if layer == L - 1 else layer + 1
+        p = 0 if parts == 1 else layer
+        base = p * cap
+        row = keys[s]
+        for j in range(K):
+            if row[j] >= 0:
+                stamp[row[j]] = s
+        acc = hit = evict = bypass = 0
+        for j in range(K):
+            key = row[j]
+            if key < 0:
+                continue
+            acc += 1
+            i = where[key]
+            ticks[p] += 1
+            if i >= 0:  # hit: count + 1, touched now: can only sink
+                hit += 1
+                count = heap[base + i] >> TICK_BITS
+                heap[base + i] = ((count + 1) << TICK_BITS) | ticks[p]
+                _down(heap, heap_key, where, base, size[p], i)
+            else:
+                n = size[p]
+                if n == cap:
+                    v = _min_unprotected(heap, heap_key, stamp, s, base, n, todo)
+                    if v < 0:
+                        bypass += 1
+                        ticks[p] -= 1  # no touch happened
+                        continue
+                    where[heap_key[base + v]] = -1
+                    n -= 1
+                    if v != n:
+                        heap[base + v], heap_key[base + v] = heap[base + n], heap_key[base + n]
+                        where[heap_key[base + v]] = v
+                        _down(heap, heap_key, where, base, n, v)
+                        _up(heap, heap_key, where, base, v)
+                    evict += 1
+                heap[base + n], heap_key[base + n] = (1 << TICK_BITS) | ticks[p], key
+                where[key] = n
+                size[p] = n + 1
+                _up(heap, heap_key, where, base, n)
+            if ticks[p] % decay == 0:  # age: halve every count, keep ticks, re-heap
+                for q in range(size[p]):
+                    e = heap[base + q]
+                    heap[base + q] = ((e >> TICK_BITS) >> 1 << TICK_BITS) | (e & _TICK_MASK)
+                for q in range(size[p] // 2 - 1, -1, -1):
+                    _down(heap, heap_key, where, base, size[p], q)
+        _tally(counts[phases[s], layer], acc, hit, bypass, evict)
+    return counts
+
+
+@njit(cache=True)
+def _up(heap, heap_key, where, base, i):
+    x, xk = heap[base + i], heap_key[base + i]
+    while i > 0:
+        parent = (i - 1) >> 1
+        if heap[base + parent] <= x:
+            break
+        heap[base + i], heap_key[base + i] = heap[base + parent], heap_key[base + parent]
+        where[heap_key[base + i]] = i
+        i = parent
+    heap[base + i], heap_key[base + i] = x, xk
+    where[xk] = i
+
+
+@njit(cache=True)
+def _down(heap, heap_key, where, base, n, i):
+    x, xk = heap[base + i], heap_key[base + i]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and heap[base + c + 1] < heap[base + c]:
+            c += 1
+        if heap[base + c] >= x:
+            break
+        heap[base + i], heap_key[base + i] = heap[base + c], heap_key[base + c]
+        where[heap_key[base + i]] = i
+        i = c
+    heap[base + i], heap_key[base + i] = x, xk
+    where[xk] = i
+
+
+@njit(cache=True)
+def _min_unprotected(heap, heap_key, stamp, s, base, n, todo):
+    """Heap index of the smallest entry whose key the step does not need, or -1."""
+    best, top = -1, 1
+    todo[0] = 0
+    while top > 0:
+        top -= 1
+        i = todo[top]
+        if i >= n:
+            continue
+        if stamp[heap_key[base + i]] != s:
+            if best < 0 or heap[base + i] < heap[base + best]:
+                best = i
+            continue
+        todo[top] = 2 * i + 1
+        todo[top + 1] = 2 * i + 2
+        top += 2
+    return best

@@ -23,7 +23,7 @@ from ..policies.registry import eviction_policies, parse_spec
 from ..stats import Counts, Stats
 from ..trace.format import Trace
 
-FAST_POLICIES = ("lru", "fifo", "belady", "slru", "arc")
+FAST_POLICIES = ("lru", "fifo", "belady", "slru", "arc", "lfu")
 # Admission policies the lru / fifo kernels reproduce, by kernel code (sim.fast.ADMIT_*).
 FAST_ADMISSIONS = {"always": 0, "second-hit": 1, "window": 2}
 ENGINES = ("auto", "table", "fast")
@@ -169,8 +169,8 @@ def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "g
     fast_ok = has_kernel(spec) and not pinned and not seed and kernel_fits(prep)
     if engine == "fast" and not fast_ok:
         raise ValueError(f"no fast kernel for {spec.label!r} with these options; kernels cover "
-                         "lru and fifo (admission always, second-hit or window), belady, slru "
-                         "and arc, without pinned or seeded keys (use engine 'table' or 'auto')")
+                         "lru and fifo (admission always, second-hit or window), belady, slru, "
+                         "arc and lfu, without pinned or seeded keys (use engine 'table' or 'auto')")
     if fast_ok and engine != "table":
         counts, name = fast_counts(prep, spec, slots, partition, eviction_params,
                                    admission_params)
@@ -181,9 +181,10 @@ def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "g
 
 
 def kernel_fits(prep: Prepared) -> bool:
-    """The kernels pack keys into 21 bits (belady's heap); bigger tables use SlotTable."""
+    """Kernels pack keys into 21 bits (belady) and use counts below 2**27 (lfu):
+    bigger tables or traces replay through SlotTable instead."""
     from .fast import KEY_BITS
-    return prep.L * prep.E < (1 << KEY_BITS)
+    return prep.L * prep.E < (1 << KEY_BITS) and prep.trace.experts.size < (1 << 27)
 
 
 def has_kernel(spec: PolicySpec) -> bool:
@@ -211,6 +212,8 @@ def fast_counts(prep: Prepared, spec: PolicySpec, slots: int, partition: str,
         return fast_lists.slru_replay(*args, int(ev["protected"] * cap)), name
     if spec.eviction == "arc":
         return fast_lists.arc_replay(*args), name
+    if spec.eviction == "lfu":
+        return fast_lists.lfu_replay(*args, int(ev["decay"]) or 8 * cap), name
     ad = check_params(admission_class(spec.admission), admission_params or {})
     counts = fast.list_replay(*args, spec.eviction == "lru", FAST_ADMISSIONS[spec.admission],
                               int(ad.get("ghost", 1)), int(ad.get("n", 1)), int(ad.get("w", 1)))
