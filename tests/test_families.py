@@ -69,3 +69,15 @@ def test_cached_equals_uncached(family, label, kwargs):
 def test_families_cover_both_expert_layouts():
     """GPT-OSS (transposed, interleaved, biased) and DeepSeek-V3 (dense first layer) are in the set."""
     assert {"gpt_oss", "deepseek_v3"} <= set(FAMILIES) and len(FAMILIES) == 7
+
+
+@pytest.mark.parametrize("baseline", ["resident", "copy-every-pass", "cpu"])
+def test_baselines_equal_uncached(family, baseline):
+    name, reference, ids, (ref_prompt, ref_steps, ref_tokens) = family
+    model = offload(copy.deepcopy(reference), baseline=baseline, staging=1 if baseline != "resident" else None)
+    prompt, steps, tokens = _run(model, ids)
+    assert (prompt - ref_prompt).abs().max().item() <= 1e-5, f"{name} {baseline}: prompt logits differ"
+    assert (steps - ref_steps).abs().max().item() <= 1e-5, f"{name} {baseline}: decode logits differ"
+    assert torch.equal(tokens, ref_tokens), f"{name} {baseline}: greedy tokens differ"
+    total = model.expertcache.stats().total()
+    assert total.hits == (total.accesses if baseline == "resident" else 0)
