@@ -169,3 +169,16 @@ def test_errors_say_what_to_do():
     with pytest.raises(ValueError, match="engine"):
         replay(trace, "lru", 4, engine="gpu")
     assert slots_for_fraction(trace, 0.5) == 2
+
+
+def test_sim_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np; from expertcache.sim import replay, sweep; "
+            "from expertcache.cli import sim; from expertcache.trace import Trace; "
+            "t = Trace(np.zeros((1, 3, 1), np.int16), {'num_experts': 2, 'top_k': 1, 'n_moe_layers': 1}); "
+            "sweep(t, ['lru', 'belady', 'slru+window'], [1, 2], workers=1); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
