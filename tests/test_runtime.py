@@ -302,3 +302,52 @@ def test_slot_counts_are_clamped_and_rounded(reference):
     assert (cache.table.slots, cache.table.partition_capacity, cache.pool.slots) == (6, 3, 6)
     # the cpu miss path never stages: bypasses are computed on the host
     assert offload(copy.deepcopy(reference), slots=4, miss="cpu").expertcache.pool.staging == 0
+
+
+def test_slot_pool_event_protocol(monkeypatch):
+    """The CUDA ordering rules, checked on the CPU with recording fake streams:
+    a load into a slot waits for the last compute that read it; compute waits for the copy
+    stream only when it reads a slot whose copy may still be in flight."""
+    from contextlib import nullcontext
+
+    from expertcache.runtime.host import HostExperts
+    from expertcache.runtime.slots import SlotPool
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name, self.n = name, 0
+
+        def record_event(self):
+            self.n += 1
+            return f"{self.name}-event-{self.n}"
+
+        def wait_event(self, event):
+            log.append((self.name, "waits", event))
+
+        def wait_stream(self, other):
+            log.append((self.name, "waits", other.name))
+
+    compute, copy_stream = FakeStream("compute"), FakeStream("copy")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    host = HostExperts({"w": torch.arange(4 * 3, dtype=torch.float32).view(4, 3)})
+    pool = SlotPool(host.layout(), slots=2, staging=1, device="cpu")
+    pool.cuda, pool.copy_stream = True, copy_stream  # take the CUDA branches
+
+    pool.load(0, host, 3)
+    assert log == []                       # a never-read slot needs no wait
+    pool.ready([1])
+    assert log == []                       # slot 1 has no copy in flight
+    pool.ready([0, 1])
+    assert log == [("compute", "waits", "copy")]
+    pool.ready([0])
+    assert len(log) == 1                   # already waited: no second wait
+    pool.mark_read([0, 2])
+    pool.load(0, host, 1)                  # overwriting slot 0 waits for its reader
+    assert log[-1] == ("copy", "waits", "compute-event-1")
+    assert torch.equal(pool.tensors["w"][0], host.tensors["w"][1])
+    pool.load(1, host, 2)
+    assert log[-1] == ("copy", "waits", "compute-event-1")  # slot 1 never read: no new wait
+    assert len(log) == 2
