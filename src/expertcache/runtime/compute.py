@@ -44,27 +44,27 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     transposed = getattr(module, "is_transposed", False)
     if groups is None:
         groups = sorted(Counter(s for s in slot_idx.reshape(-1).tolist() if s < S).items())
+    n = sum(count for _, count in groups)              # pairs computed here (host-known: no sync)
     ids, perm = torch.sort(slot_idx.reshape(-1))       # [T*K] pairs grouped by slot; excluded last
-    x = hidden[perm // K]                              # [T*K, H], tokens grouped by slot
+    ids, perm = ids[:n], perm[:n]                      # [N] only the pairs of this pass
+    x = hidden[perm // K]                              # [N, H], tokens grouped by slot
     matmul = _grouped(ids, S) if grouped else _looped(groups)
-    bias_ids = ids.clamp(max=S - 1)
-    b_up = pool[first + "_bias"][bias_ids] if first + "_bias" in pool else None
+    b_up = pool[first + "_bias"][ids] if first + "_bias" in pool else None
     proj = matmul(x, w_up, transposed)
     proj = _activate(module, proj if b_up is None else proj + b_up)
     out = matmul(proj, w_down, transposed)
     if "down_proj_bias" in pool:
-        out = out + pool["down_proj_bias"][bias_ids]
+        out = out + pool["down_proj_bias"][ids]
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
-    # rows of excluded pairs are uninitialised kernel output: select zero there, never multiply
-    out = torch.where((ids < S).unsqueeze(-1), out, 0.0) * weights.reshape(-1)[perm].unsqueeze(-1)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return out[inv].view(T, K, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
+    out = out * weights.reshape(-1)[perm].unsqueeze(-1)           # [N, H]
+    full = out.new_zeros(T * K, out.shape[-1])                    # pairs not computed here add 0
+    full[perm] = out                                              # unique indices: deterministic
+    return full.view(T, K, -1).sum(dim=1).to(hidden.dtype)        # [T, H], rank-order sum per token
 
 
 def _grouped(ids: torch.Tensor, S: int):
-    """One grouped matmul: per-slot offsets computed on the device (ids == S fall past the end)."""
+    """One grouped matmul: per-slot offsets computed on the device from the sorted slot ids."""
     counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(),  # CPU histc: floats
                          bins=S, min=0, max=S - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
