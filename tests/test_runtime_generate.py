@@ -45,7 +45,7 @@ def test_generate_prints_text_and_summary(checkpoint, tmp_path, capsys):
 
 def test_generate_same_text_for_every_configuration(checkpoint, capsys):
     texts = []
-    for extra in (["--baseline", "resident"], ["--gpu-memory", "200KiB", "--miss", "auto"],
+    for extra in (["--baseline", "resident"], ["--gpu-memory", "200KiB", "--miss", "auto", "--staging", "1"],
                   ["--slots", "4", "--partition", "per-layer", "--miss", "cpu"]):
         assert main(["generate", str(checkpoint), "--prompt", "w9 w8 w7", "--max-new-tokens", "8", *extra]) == 0
         texts.append(capsys.readouterr().out.split("\n\n")[0])

@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--partition", default="global", choices=("global", "per-layer"))
     p.add_argument("--miss", default="fetch", choices=("fetch", "cpu", "auto"))
     p.add_argument("--baseline", choices=("resident", "copy-every-pass", "cpu"))
+    p.add_argument("--staging", type=int, help="extra slots that stream bypassed experts (default top-k)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
@@ -45,7 +46,7 @@ def run(args) -> int:
     eviction, admission = parse_spec(args.policy)
     config = CacheConfig(slots=args.slots, gpu_memory=args.gpu_memory, eviction=eviction,
                          admission=admission, partition=args.partition, miss=args.miss,
-                         baseline=args.baseline, device=args.device, dtype=args.dtype,
+                         baseline=args.baseline, staging=args.staging, device=args.device, dtype=args.dtype,
                          imatrix=args.imatrix, imatrix_mode=args.imatrix_mode)
     check_checkpoint_dir(Path(args.model))
     tokenizer = load_tokenizer(args.model)
