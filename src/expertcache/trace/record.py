@@ -98,19 +98,25 @@ def _meta(model, experts, ex: np.ndarray) -> dict:
             "prefill_steps": "batched", "source": "expertcache trace record"}
 
 
-def replay_live(trace: Trace, table: SlotTable) -> Stats:
-    """Step ``table`` in the runtime's order: the leading prompt tokens as one step per
-    layer (union, token-major, rank order), then one step per token per layer."""
+def live_steps(trace: Trace):
+    """Yield ``(layer, experts, phase)`` in the runtime's order: the leading prompt tokens as
+    one step per layer (union, token-major, rank order), then one step per token per layer.
+    A simulator replaying these steps reproduces a live run (meta ``prefill_steps: batched``)."""
     phases = trace.phases
     prompt = int(np.argmax(phases != PREFILL)) if (phases != PREFILL).any() else len(phases)
     rows = trace.experts.tolist()  # [L][T][K]
     if prompt:
         for layer in range(trace.num_layers):
-            union = dict.fromkeys(e for tok in rows[layer][:prompt] for e in tok)
-            table.step(layer, list(union), PREFILL)
+            yield layer, list(dict.fromkeys(e for tok in rows[layer][:prompt] for e in tok)), PREFILL
     for t in range(prompt, trace.num_tokens):
         for layer in range(trace.num_layers):
-            table.step(layer, rows[layer][t], int(phases[t]))
+            yield layer, rows[layer][t], int(phases[t])
+
+
+def replay_live(trace: Trace, table: SlotTable) -> Stats:
+    """Step ``table`` through ``live_steps(trace)``; its stats equal the live run's."""
+    for layer, experts, phase in live_steps(trace):
+        table.step(layer, experts, phase)
     return table.stats()
 
 
