@@ -123,7 +123,9 @@ def main() -> int:
           f"{trace.num_tokens} tokens; prepared in {time.perf_counter() - t:.2f} s")
     import numba
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "python": platform.python_version(), "numba": numba.__version__},
+                          "python": platform.python_version(), "numba": numba.__version__,
+                          # other jobs on the machine slow every figure: record how busy it was
+                          "load_average_1m_at_start": os.getloadavg()[0]},
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "trace": Path(args.trace).name, "tokens": trace.num_tokens,
               "single": single_runs(prep, args.slots, args.skip_table)}
