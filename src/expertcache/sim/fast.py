@@ -55,11 +55,6 @@ def _dedupe(keys):
                     break
 
 
-def step_phases(phase: np.ndarray, num_layers: int) -> np.ndarray:
-    """``uint8 [T*L]``: each step's phase (the phase of its token)."""
-    return np.repeat(np.asarray(phase, dtype=np.uint8), num_layers)
-
-
 # -- LRU / FIFO at one capacity ------------------------------------------------
 # Admission codes for list_replay (policies/admission.py): always, second-hit, window.
 ADMIT_ALWAYS, ADMIT_SECOND_HIT, ADMIT_WINDOW = 0, 1, 2
