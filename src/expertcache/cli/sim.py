@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..sim.hardware import load_hardware
-    from ..sim.mrc import optimum_misses, sweep, sweep_sizes
+    from ..sim.mrc import sweep, sweep_sizes
     from ..sim.plot import plot_curves
     from ..sim.replay import Prepared, resolve_policy, slots_for_fraction
     from ..sim.report import document, expert_cost, rows
@@ -77,9 +77,11 @@ def run(args) -> int:
         with _progress(len(policies) * len(slots)) as tick:
             results = sweep(prep, policies, slots, args.partition, workers=args.workers,
                             progress=tick)
-    opt = {r.slots: r.misses for r in results  # a pinned belady is no longer the optimum
-           if (r.policy, r.admission) == ("belady", "always") and not args.imatrix}
-    opt = opt or optimum_misses(prep, slots, args.partition)
+    # Belady's runs give opt_misses (and the plot's optimum); a pinned belady is no optimum.
+    optimum = [r for r in results
+               if (r.policy, r.admission) == ("belady", "always") and not args.imatrix]
+    extra = [] if optimum else sweep(prep, ["belady"], slots, args.partition, workers=1)
+    opt = {r.slots: r.misses for r in optimum or extra}
     table = rows(trace, results, opt, cost, hw, args.miss_path)
     _print_table(trace, table, hw.name, cost is not None)
     if args.json:
@@ -87,8 +89,8 @@ def run(args) -> int:
                                               indent=2) + "\n")
     if args.plot:
         title = f"{trace.meta.get('model', 'trace')}: {trace.num_tokens} tokens, {args.partition}"
-        plot_curves(results + _optimum_results(prep, slots, args.partition, policies),
-                    args.plot, title=title, total_experts=trace.num_layers * trace.num_experts)
+        plot_curves(results + extra, args.plot, title=title,
+                    total_experts=trace.num_layers * trace.num_experts)
     return 0
 
 
@@ -114,14 +116,6 @@ def _numbers(text: str, kind, flag: str) -> list:
     if not values:
         raise ValueError(f"{flag} is empty")
     return values
-
-
-def _optimum_results(prep, slots, partition, policies):
-    """The optimum's curve for the plot, unless the user already asked for belady."""
-    from ..sim.mrc import sweep
-    if any(p.strip() == "belady" for p in policies):
-        return []
-    return sweep(prep, ["belady"], slots, partition, workers=1)
 
 
 class _progress:
