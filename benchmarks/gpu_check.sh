@@ -6,7 +6,7 @@
 #   3. decode at real expert sizes (Qwen3-30B-A3B experts: hidden 2048, FF 768, 128 experts,
 #      top-8, bf16; 4 MoE layers to stay in time): resident / copy-every-pass / cpu baselines
 #      and the cache (lru, 25% of experts) with fetch and cpu miss paths;
-#   4. `expertcache bench` when that command exists.
+#   4. `expertcache bench` (the benchmark issue) at real Qwen3-30B-A3B expert sizes, 8 layers.
 # Prints one table; writes everything under benchmarks/results/gpu_check-<UTC time>/.
 # Usage (repository root): bash benchmarks/gpu_check.sh
 set -u
@@ -16,6 +16,7 @@ PY=${PYTHON:-.venv/bin/python}
 OUT=benchmarks/results/gpu_check-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$OUT"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+ec() { "$PY" -c 'import sys; from expertcache.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 
 (nvidia-smi || true) > "$OUT/nvidia-smi.txt" 2>&1
 # GPU_CHECK_DRY=1: run the same steps on the CPU at tiny sizes (to check this script without a GPU)
@@ -25,10 +26,10 @@ if [ "$DRY" != 1 ] && ! "$PY" -c "import torch; assert torch.cuda.is_available()
 fi
 export GPU_CHECK_DRY=$DRY
 
-timeout 240 "$PY" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
+timeout 150 "$PY" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
 echo $? > "$OUT/pytest.rc"
 
-timeout 240 "$PY" - "$OUT" <<'PYEOF' > "$OUT/run.txt" 2>&1
+timeout 150 "$PY" - "$OUT" <<'PYEOF' > "$OUT/run.txt" 2>&1
 import copy, json, os, sys, time
 import torch
 import transformers as tf
@@ -98,11 +99,18 @@ json.dump(res, open(f"{out}/gpu_check.json", "w"), indent=2)
 PYEOF
 echo $? > "$OUT/run.rc"
 
-if "$PY" -m expertcache.cli bench --help > /dev/null 2>&1; then
-  timeout 120 "$PY" -m expertcache.cli bench --help > "$OUT/bench-help.txt" 2>&1
-  echo "expertcache bench exists: see its issue for the real-size invocation; help saved" > "$OUT/bench.txt"
+# the benchmark issue's command at real expert sizes (Qwen3-30B-A3B, bf16, first 8 MoE layers)
+TRACE=../shared/traces/qwen3-30b-a3b-code.npz
+SRC=(--preset qwen3-30b-a3b)
+[ -f "$TRACE" ] && SRC=(--trace "$TRACE" --preset qwen3-30b-a3b)
+if [ "$DRY" = 1 ]; then SIZE=(--scale 0.05 --layers 2 --tokens 32 --device cpu --dtype fp32)
+else SIZE=(--scale 1 --layers 8 --tokens 128 --device cuda --dtype bf16); fi
+if ec bench --help > /dev/null 2>&1; then
+  timeout 150 "$PY" -c 'import sys; from expertcache.cli import main; sys.exit(main(sys.argv[1:]))' bench "${SRC[@]}" "${SIZE[@]}" --fraction 0.125,0.25 \
+    --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+  echo $? > "$OUT/bench.rc"
 else
-  echo "expertcache bench is not available in this checkout" > "$OUT/bench.txt"
+  echo "expertcache bench is not available in this checkout" > "$OUT/bench.txt"; echo 0 > "$OUT/bench.rc"
 fi
 
 "$PY" - "$OUT" <<'PYEOF'
@@ -122,6 +130,9 @@ if os.path.exists(path):
               f"{d['h2d_MB_per_decode_token']:11.1f} {d['slot_MB']:9.0f}")
 else:
     print(f"{'real-size decode':34} failed (rc {open(f'{out}/run.rc').read().strip()}): see {out}/run.txt")
-print(f"{'expertcache bench':34} {open(f'{out}/bench.txt').read().strip()}")
+bench = open(f"{out}/bench.txt").read().strip().splitlines()
+print(f"{'expertcache bench (rc ' + open(f'{out}/bench.rc').read().strip() + ')':34} last lines of {out}/bench.txt:")
+for line in bench[-12:]:
+    print(f"  {line}")
 print(f"results in {out}")
 PYEOF
