@@ -174,6 +174,10 @@ def test_missing_size_and_bad_settings(reference):
         offload(copy.deepcopy(reference), config=expertcache.config.CacheConfig(slots=4, imatrix="x.gguf"))
     with _error("8GiB"):
         offload(copy.deepcopy(reference), gpu_memory="eight gigs")
+    dispatched = copy.deepcopy(reference)
+    dispatched.hf_device_map = {"model": "cpu", "lm_head": "disk"}
+    with _error("device_map"):
+        offload(dispatched, slots=4)
     model = offload(copy.deepcopy(reference), slots=4)
     with _error("already offloaded"):
         offload(model, slots=4)

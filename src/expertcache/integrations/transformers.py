@@ -47,6 +47,11 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"offload() takes a transformers model or a checkpoint directory, "
                         f"got {type(model_or_path).__name__}")
+    placed = set(map(str, (getattr(model, "hf_device_map", None) or {}).values()))
+    if len(placed) > 1 or placed & {"disk", "meta"}:
+        raise ValueError(f"this model is dispatched over {sorted(placed)} by a device_map; accelerate "
+                         "would copy modules on every forward. Load it with device_map='cpu' (or pass "
+                         "the checkpoint directory) and let offload() place it")
     if getattr(model, "expertcache", None) is not None:
         raise ValueError("this model is already offloaded (model.expertcache exists); load a fresh copy")
     found = find_experts(model)
