@@ -43,6 +43,7 @@ class ExpertCache:
         """(table slots, pool cache slots, staging slots) for this configuration."""
         L, E, k = self.num_layers, self.num_experts, self.top_k
         if run.baseline == "resident":
+            self._check_free(L * E * self.expert_bytes, "baseline 'resident' (every expert on the device)")
             return L * E, L * E, 0
         staging = 0 if run.miss == "cpu" else (run.staging or k)
         if run.admission == "never":  # nothing is ever cached (baselines cpu, copy-every-pass):
@@ -52,24 +53,26 @@ class ExpertCache:
         if run.slots is None and run.gpu_memory is None:
             raise ValueError("the cache needs a size: give slots=N or gpu_memory='8GiB' "
                              "(or baseline='resident' / 'cpu')")
-        if run.gpu_memory is not None:
-            budget = run.gpu_memory_bytes
-            self._check_free(budget, f"gpu_memory={run.gpu_memory!r}")
-            slots = budget // self.expert_bytes - staging
-            need = k * (L if run.partition == "per-layer" else 1)
-            if slots < need:
-                raise ValueError(f"capacity below top-k: gpu_memory={run.gpu_memory!r} holds "
-                                 f"{max(slots, 0)} experts of {format_size(self.expert_bytes)} after "
-                                 f"{staging} staging slots, but a step needs {k} per "
-                                 f"{'layer' if run.partition == 'per-layer' else 'pool'}; give at least "
-                                 f"{format_size((need + staging) * self.expert_bytes)}")
-        else:
-            slots = run.slots
+        slots = run.slots if run.gpu_memory is None else self._slots_in_budget(run, staging)
         slots = min(slots, L * E)  # more slots than experts would only waste memory
         if run.partition == "per-layer":
             slots = min(slots // L, E) * L or slots  # whole slots per layer; the table checks the rest
         self._check_free((slots + staging) * self.expert_bytes, f"a pool of {slots}+{staging} slots")
         return slots, slots, staging
+
+    def _slots_in_budget(self, run: CacheConfig, staging: int) -> int:
+        """Cache slots that fit ``gpu_memory`` next to the staging slots."""
+        budget, k = run.gpu_memory_bytes, self.top_k
+        self._check_free(budget, f"gpu_memory={run.gpu_memory!r}")
+        slots = budget // self.expert_bytes - staging
+        per_layer = run.partition == "per-layer"
+        need = k * (self.num_layers if per_layer else 1)
+        if slots < need:
+            raise ValueError(f"capacity below top-k: gpu_memory={run.gpu_memory!r} holds {max(slots, 0)} "
+                             f"experts of {format_size(self.expert_bytes)} after {staging} staging slots, "
+                             f"but a step needs {k} per {'layer' if per_layer else 'pool'}; give at least "
+                             f"{format_size((need + staging) * self.expert_bytes)}")
+        return slots
 
     def _check_free(self, nbytes: int, what: str) -> None:
         free = free_memory(self.device)
