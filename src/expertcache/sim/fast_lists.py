@@ -22,7 +22,7 @@ PROBATION, PROTECTED = 0, 1          # slru
 T1, T2, B1, B2 = 0, 1, 2, 3          # arc
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _remove(key, lid, prev, nxt, head, tail, size, where):
     a, b = prev[key], nxt[key]
     if a >= 0:
@@ -37,7 +37,7 @@ def _remove(key, lid, prev, nxt, head, tail, size, where):
     where[key] = -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _append(key, lid, prev, nxt, head, tail, size, where):
     t = tail[lid]
     prev[key], nxt[key] = t, -1
@@ -50,7 +50,7 @@ def _append(key, lid, prev, nxt, head, tail, size, where):
     where[key] = lid
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _oldest_unprotected(lid, head, nxt, stamp, s):
     key = head[lid]
     while key >= 0 and stamp[key] == s:
@@ -178,7 +178,7 @@ def arc_replay(keys, phases, L, E, parts, cap):
     return counts
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _arc_trim(t1, t2, b1, b2, cap, prev, nxt, head, tail, size, where):
     while size[b1] > 0 and size[t1] + size[b1] > cap:
         _remove(head[b1], b1, prev, nxt, head, tail, size, where)
