@@ -149,9 +149,12 @@ def test_model_without_moe_layers():
         offload(dense, slots=4)
 
 
-def test_capacity_below_top_k(reference):
+def test_capacity_below_top_k(reference, ids):
+    model = copy.deepcopy(reference)
     with _error("capacity below top-k"):
-        offload(copy.deepcopy(reference), slots=1)
+        offload(model, slots=1)
+    with torch.no_grad():  # a refused offload leaves the model whole
+        assert torch.equal(model(ids).logits, reference(ids).logits)
     with _error("capacity below top-k"):
         offload(copy.deepcopy(reference), slots=2, partition="per-layer")
     with _error("capacity below top-k.*gpu_memory"):

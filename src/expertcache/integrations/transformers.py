@@ -66,9 +66,14 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
             raise ValueError(f"{name}: experts with a post-expert norm support only miss='fetch'")
     device = _device(config.device)
     hosts = [HostExperts.take(module, pin=torch.cuda.is_available()) for _, module in found]
-    _check_uniform(hosts, found)
+    try:
+        _check_uniform(hosts, found)
+        cache = ExpertCache(config, hosts, _top_k(model, found), device)
+    except Exception:  # sizing refused: hand the experts back so the model is as it was
+        for host, (_, module) in zip(hosts, found):
+            host.restore(module)
+        raise
     model.to(device)  # the dense part; the experts modules no longer hold their weights
-    cache = ExpertCache(config, hosts, _top_k(model, found), device)
     for layer, (_, module) in enumerate(found):
         module._expertcache = (cache, layer)
     _attach(model, cache)

@@ -76,6 +76,11 @@ class HostExperts:
             delattr(module, kind)
         return cls(tensors)
 
+    def restore(self, module: torch.nn.Module) -> None:
+        """Put the weights back into ``module`` as parameters (undo ``take``)."""
+        for kind, data in self.tensors.items():
+            setattr(module, kind, torch.nn.Parameter(data, requires_grad=False))
+
     def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """kind -> (shape of one expert, dtype): what a slot of the pool must hold."""
         return {k: (tuple(t.shape[1:]), t.dtype) for k, t in self.tensors.items()}
