@@ -31,13 +31,15 @@ _POOL_BYTES = 256 * 2 ** 20  # distinct experts cycled through: beyond L2, like 
 
 
 def calibrate(module: torch.nn.Module, hosts, device: torch.device, top_k: int,
-              seconds: float = 0.3) -> Hardware:
-    """A ``Hardware`` profile measured on ``device`` for experts shaped like ``hosts``."""
+              seconds: float = 0.3, clock=time.perf_counter) -> Hardware:
+    """A ``Hardware`` profile measured on ``device`` for experts shaped like ``hosts``,
+    timed with ``clock`` (the bench's: wall, or thread CPU time on a shared CPU)."""
     host = hosts[0]
     n = max(2, min(host.num_experts * len(hosts), _POOL_BYTES // host.expert_bytes))
     experts = [(i % len(hosts), (i // len(hosts)) % host.num_experts) for i in range(n)]
     pool = SlotPool(host.layout(), n, 0, device)
-    copy_s = _per_item(lambda i: pool.load(i, hosts[experts[i][0]], experts[i][1]), n, device, seconds)
+    copy_s = _per_item(lambda i: pool.load(i, hosts[experts[i][0]], experts[i][1]), n, device, seconds,
+                       clock)
     pool.ready()
     dtype = next(iter(host.tensors.values())).dtype
     x = torch.randn(1, host.tensors["down_proj"].shape[1], dtype=dtype)          # [1, H]
@@ -48,19 +50,20 @@ def calibrate(module: torch.nn.Module, hosts, device: torch.device, top_k: int,
     w = torch.full((1, k), 1.0 / k, dtype=dtype, device=device)
     x_dev = x.to(device)
     step_s = _per_item(lambda i: grouped_over_slots(module, x_dev, slot_idx[i % groups], w,
-                                                    pool.tensors), groups, device, seconds)
+                                                    pool.tensors), groups, device, seconds, clock)
     hit_s = step_s / k
     cpu_s = _per_item(lambda i: one_expert(module, x, hosts[experts[i][0]].expert(experts[i][1])),
-                      n, torch.device("cpu"), seconds)
+                      n, torch.device("cpu"), seconds, clock)
     nbytes = host.expert_bytes
     return Hardware("bench-calibrated", h2d_gbps=nbytes / copy_s / 1e9,
                     gpu_mem_gbps=nbytes / hit_s / 1e9, cpu_mem_gbps=nbytes / cpu_s / 1e9,
                     cpu_gflops=1e6, transfer_latency_s=0.0,
-                    layer_overhead_s=layer_overhead(device, top_k),
+                    layer_overhead_s=layer_overhead(device, top_k, clock=clock),
                     source=f"measured by expertcache bench on {device} at {nbytes} bytes per expert")
 
 
-def layer_overhead(device: torch.device, top_k: int, steps: int = 200) -> float:
+def layer_overhead(device: torch.device, top_k: int, steps: int = 200,
+                   clock=time.perf_counter) -> float:
     """Seconds of one ``run_step`` whose math is negligible: the runtime's fixed cost per layer."""
     from ..config import CacheConfig
     from ..runtime.engine import ExpertCache
@@ -79,25 +82,25 @@ def layer_overhead(device: torch.device, top_k: int, steps: int = 200) -> float:
         for s in range(20):  # warm-up: allocator, first-call dispatch
             run_step(cache, s % 2, module, x, idx[s:s + 1], w)
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         for s in range(steps):
             run_step(cache, s % 2, module, x, idx[s:s + 1], w)
         _sync(device)
     # scaled from the tiny top-k to the real one: dispatch grows with the experts per step
-    return (time.perf_counter() - start) / steps * top_k / k
+    return (clock() - start) / steps * top_k / k
 
 
-def _per_item(fn, n: int, device: torch.device, seconds: float) -> float:
+def _per_item(fn, n: int, device: torch.device, seconds: float, clock=time.perf_counter) -> float:
     """Mean seconds per call of ``fn(i)`` cycling i over 0..n-1, for about ``seconds``."""
     fn(0)
     _sync(device)
-    calls, start = 0, time.perf_counter()
+    calls, start = 0, clock()
     while True:
         for _ in range(8):
             fn(calls % n)
             calls += 1
         _sync(device)
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if elapsed > seconds and calls >= min(n, 32):
             return elapsed / calls
 

@@ -49,8 +49,8 @@ def bench_args(tokens: int, layers: int, scale: float, dtype: str, device: str,
     """The ``bench`` options the demo runs with (what ``expertcache bench`` would parse)."""
     return Namespace(trace=None, preset=None, tokens=tokens, layers=layers, scale=scale, dtype=dtype,
                      policy=None, slots=None, fraction=",".join(map(str, FRACTIONS)),
-                     partition="global", no_belady=False, no_baselines=False, device=device,
-                     hardware="calibrate", threads=threads, seed=0)
+                     partition="global", no_belady=False, baselines="resident,copy-every-pass,cpu", device=device,
+                     hardware="calibrate", threads=threads, seed=0, clock="auto")
 
 
 def sim_summary(table: list[dict]) -> str:

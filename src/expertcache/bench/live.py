@@ -26,6 +26,26 @@ from .phases import steady_start
 from .strategies import OPTIMUM, Strategy
 
 PARTS = ("plan", "copy", "compute")
+CLOCKS = ("auto", "wall", "cpu")
+
+
+def pick_clock(name: str, device: torch.device):
+    """The timer: wall time, or this thread's CPU time.
+
+    On a shared CPU other processes steal the core mid-token and wall time then
+    counts their work; with one torch thread every expert matmul and copy runs on the
+    calling thread, so its CPU time is the work this strategy did. ``auto`` takes CPU
+    time exactly then (CPU device, one thread) and wall time otherwise (CUDA kernels
+    run off the host thread, several threads run in parallel).
+    """
+    if name not in CLOCKS:
+        raise ValueError(f"unknown --clock {name!r}; use one of {', '.join(CLOCKS)}")
+    if name == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("--clock cpu measures the calling thread only: use it with --device cpu "
+                         "and --threads 1, or use --clock wall")
+    if name == "cpu" or (name == "auto" and device.type == "cpu" and torch.get_num_threads() == 1):
+        return "cpu", time.thread_time
+    return "wall", time.perf_counter
 
 
 @dataclass
@@ -33,7 +53,7 @@ class Run:
     """What one strategy did: per-decode-token seconds, counts, bytes, outputs."""
 
     strategy: Strategy
-    seconds: list[float]                 # per decode token, in order
+    seconds: list[float]                 # per decode token, in order (the run's clock)
     decode: Counts                       # whole run, decode tokens
     steady: Counts                       # steady-phase decode tokens only
     h2d_decode: int                      # bytes copied into slots during decode tokens
@@ -41,6 +61,7 @@ class Run:
     outputs: torch.Tensor                # [T_decode, H] float32: the last layer's output per token
     parts: dict[str, float] = field(default_factory=dict)  # steady seconds per token, CPU only
     skipped: str | None = None           # why it did not run (e.g. memory)
+    wall: list[float] = field(default_factory=list)  # per decode token, wall clock
 
 
 class Inputs:
@@ -78,26 +99,26 @@ def build_cache(strategy: Strategy, hosts, top_k: int, device: torch.device, par
 
 
 def run_strategy(cache: ExpertCache, strategy: Strategy, module: torch.nn.Module,
-                 inputs: Inputs) -> Run:
-    """Replay every token of ``inputs`` through ``cache``; time the decode tokens."""
-    timer = _Timer(inputs.device)
-    seconds, outputs = [], []
+                 inputs: Inputs, clock=time.perf_counter) -> Run:
+    """Replay every token of ``inputs`` through ``cache``; time the decode tokens with ``clock``."""
+    timer = _Timer(inputs.device, clock)
+    seconds, wall, outputs = [], [], []
     steady_at = steady_start(inputs.decode_tokens)
     steady_before = None
-    h2d_prefill = 0
     with torch.no_grad(), timer.attach(cache):
         for t, phase in enumerate(inputs.phases):
             if phase == DECODE and len(seconds) == steady_at:
                 steady_before = cache.table.stats().total(DECODE)
                 timer.reset()
             cache.phase = phase
-            start = time.perf_counter()
+            start, start_wall = clock(), time.perf_counter()
             x = _token(cache, module, inputs, t)
             if inputs.device.type == "cuda":
                 torch.cuda.synchronize(inputs.device)
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_wall = clock() - start, time.perf_counter() - start_wall
             if phase == DECODE:
                 seconds.append(elapsed)
+                wall.append(elapsed_wall)
                 outputs.append(x.float().cpu())
             else:
                 timer.reset()
@@ -107,10 +128,9 @@ def run_strategy(cache: ExpertCache, strategy: Strategy, module: torch.nn.Module
     n_steady = len(seconds) - steady_at
     parts = ({k: v / n_steady for k, v in timer.totals.items()}
              if n_steady and inputs.device.type == "cpu" else {})
-    h2d_prefill = stats.h2d_bytes(0)
-    del h2d_prefill  # prefill traffic is not part of the per-decode-token figures
+    # prefill traffic (stats.h2d_bytes(0)) is not part of the per-decode-token figures
     return Run(strategy, seconds, decode, steady, stats.h2d_bytes(DECODE), cache.slot_bytes,
-               torch.cat(outputs) if outputs else torch.empty(0), parts)
+               torch.cat(outputs) if outputs else torch.empty(0), parts, wall=wall)
 
 
 def _token(cache: ExpertCache, module, inputs: Inputs, t: int) -> torch.Tensor:
@@ -132,8 +152,8 @@ def _minus(a: Counts, b: Counts) -> Counts:
 class _Timer:
     """Seconds spent planning (table.step), copying (pool.load) and computing experts."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.enabled = device.type == "cpu"
+    def __init__(self, device: torch.device, clock=time.perf_counter) -> None:
+        self.enabled, self.clock = device.type == "cpu", clock
         self.totals = dict.fromkeys(PARTS, 0.0)
 
     def reset(self) -> None:
@@ -141,11 +161,11 @@ class _Timer:
 
     def wrap(self, part: str, fn):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.totals[part] += time.perf_counter() - start
+                self.totals[part] += self.clock() - start
         return timed
 
     @contextmanager

@@ -51,6 +51,7 @@ def row(run, result) -> dict:
            "h2d_bytes_per_token": run.h2d_decode / n if n else None,
            "slot_bytes": run.slot_bytes, "ms_per_token": ms,
            "tok_s": 1e3 / ms["steady"] if ms["steady"] else None,
+           "wall_ms_per_token": ms_per_token(run.wall) if run.wall else None,
            "steady_hit_rate": run.steady.hit_rate if run.steady.accesses else None,
            "predicted_ms_per_token": pred,
            "predicted_ratio": pred / ms["steady"] if pred and ms["steady"] else None}
@@ -80,7 +81,7 @@ def document(result, results_rows: list[dict]) -> dict:
             "num_experts": shape.experts, "expert_bytes": shape.expert_bytes,
             "tokens": sum(1 for p in trace.phases if p == 1), "device": str(result.device),
             "hidden": shape.hidden, "expert_ff": shape.expert_ff, "dtype": shape.dtype,
-            "partition": result.partition, "trace": trace.meta.get("source", trace.meta.get("model")),
+            "partition": result.partition, "clock": result.clock, "trace": trace.meta.get("source", trace.meta.get("model")),
             "machine": machine(result.device),
             "cost_model": None if hw is None else {k: getattr(hw, k) for k in (
                 "name", "h2d_gbps", "gpu_mem_gbps", "cpu_mem_gbps", "cpu_gflops",

@@ -18,7 +18,7 @@ from ..presets import ModelShape
 from ..sim.costmodel import Hardware
 from ..sim.replay import Prepared
 from ..trace.format import Trace
-from .live import Inputs, Run, build_cache, run_strategy
+from .live import Inputs, Run, build_cache, pick_clock, run_strategy
 from .model import BenchShape, experts_module, host_experts
 from .strategies import Strategy
 
@@ -32,6 +32,7 @@ class BenchResult:
     hardware: Hardware | None
     partition: str
     notes: list[str] = field(default_factory=list)
+    clock: str = "wall"
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -47,13 +48,14 @@ def resolve_device(name: str = "auto") -> torch.device:
 def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, scale: float = 1.0,
               dtype: str = "bf16", device: str = "auto", partition: str = "global",
               hardware: Hardware | str | None = "calibrate", seed: int = 0,
-              threads: int | None = None,
+              threads: int | None = None, clock: str = "auto",
               progress: Callable[[str], None] = lambda _msg: None) -> BenchResult:
     """Run ``strategies`` on ``trace`` with ``model``'s expert dims times ``scale``."""
     dev = resolve_device(device)
     if threads:
         torch.set_num_threads(threads)
     shape = BenchShape.from_preset(model, trace.num_layers, scale, dtype)
+    clock_name, clock_fn = pick_clock(clock, dev)
     _check_host_memory(shape)
     progress(f"building {shape.layers} x {shape.experts} experts of {shape.expert_bytes / 2**20:.2f} MiB "
              f"({shape.host_bytes / 2**30:.2f} GiB host) ...")
@@ -61,7 +63,7 @@ def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, sc
     hosts = host_experts(shape, seed=seed, pin=dev.type == "cuda")
     inputs = Inputs(trace, shape.hidden, shape.torch_dtype, dev, seed)
     prepared = Prepared(trace)  # belady's future: a fresh Future per run (it is consumed as it replays)
-    hw = _hardware(hardware, module, hosts, dev, trace.top_k, progress)
+    hw = _hardware(hardware, module, hosts, dev, trace.top_k, progress, clock_fn)
     runs, notes = [], []
     for strategy in strategies:
         progress(f"running {strategy.title} ...")
@@ -72,21 +74,21 @@ def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, sc
             runs.append(Run(strategy, [], *_empty(), torch.empty(0), skipped=str(err)))
             notes.append(f"{strategy.title} skipped: {err}")
             continue
-        runs.append(run_strategy(cache, strategy, module, inputs))
+        runs.append(run_strategy(cache, strategy, module, inputs, clock_fn))
         del cache
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return BenchResult(shape, trace, dev, runs, hw, partition, notes)
+    return BenchResult(shape, trace, dev, runs, hw, partition, notes, clock_name)
 
 
-def _hardware(hardware, module, hosts, dev, top_k, progress) -> Hardware | None:
+def _hardware(hardware, module, hosts, dev, top_k, progress, clock) -> Hardware | None:
     if hardware is None or isinstance(hardware, Hardware):
         return hardware
     if hardware == "calibrate":
         from .calibrate import calibrate
         progress("calibrating the cost model on this device ...")
-        return calibrate(module, hosts, dev, top_k)
+        return calibrate(module, hosts, dev, top_k, clock=clock)
     from ..sim.hardware import load_hardware
     return load_hardware(hardware)
 

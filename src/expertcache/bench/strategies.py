@@ -59,12 +59,13 @@ class Strategy:
         return f"{self.eviction}+{self.admission}"
 
 
-def plan(policies: list[str], slots: list[int], *, baselines: bool = True,
+def plan(policies: list[str], slots: list[int], *, baselines=BASELINES,
          optimum: bool = True) -> list[Strategy]:
-    """Baselines first, then every policy at every size, then belady at every size."""
+    """Baselines first (those named, in the usual order), then every policy at every size,
+    then belady at every size."""
     if not slots and policies:
         raise ValueError("give at least one slot count for the cache strategies")
-    out = [Strategy(b) for b in BASELINES] if baselines else []
+    out = [Strategy(b) for b in BASELINES if b in baselines]
     for spec in policies:
         if spec.strip() == OPTIMUM:
             continue  # belady is added once below, not as a causal policy

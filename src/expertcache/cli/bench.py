@@ -31,13 +31,17 @@ def add_parser(sub) -> None:
     size.add_argument("--fraction", help="share of all L x E experts in slots (default 0.125,0.25,0.5)")
     p.add_argument("--partition", default="global", choices=("global", "per-layer"))
     p.add_argument("--no-belady", action="store_true", help="skip the belady (offline optimum) runs")
-    p.add_argument("--no-baselines", action="store_true",
-                   help="skip resident, copy-every-pass and cpu")
+    p.add_argument("--baselines", default="resident,copy-every-pass,cpu",
+                   help="baselines to run, comma separated, or 'none' (default: all three; "
+                        "resident needs a second copy of every expert in the pool)")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
     p.add_argument("--hardware", default="calibrate",
                    help="cost-model profile for predictions: 'calibrate' (measure here, default), "
                         "'none', a preset (pcie4-consumer, ...) or a JSON from 'expertcache probe'")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--clock", default="auto", choices=("auto", "wall", "cpu"),
+                   help="timer: wall, or the thread's CPU time (robust on a shared CPU; auto picks "
+                        "it with --device cpu --threads 1)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, hidden vectors, synthetic traces")
     p.add_argument("--json", metavar="OUT", help="write results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="draw steady tok/s against slots per strategy")
@@ -74,7 +78,7 @@ def bench_from_args(args) -> dict:
     else:
         slots = [slots_for_fraction(trace, f) for f in _list(args.fraction or "0.125,0.25,0.5", float,
                                                               "--fraction")]
-    strategies = st.plan(policies, sorted(set(slots)), baselines=not args.no_baselines,
+    strategies = st.plan(policies, sorted(set(slots)), baselines=_baselines(args.baselines),
                          optimum=not args.no_belady)
     for s in strategies:  # bad sizes (below top-k, ...) fail before any weight is built
         if s.slots is not None:
@@ -92,11 +96,20 @@ def run_and_document(trace, model, strategies, args) -> dict:
     hardware = None if args.hardware == "none" else args.hardware
     result = run_bench(trace, model, strategies, scale=args.scale, dtype=args.dtype,
                        device=args.device, partition=args.partition, hardware=hardware,
-                       seed=args.seed, threads=args.threads,
+                       seed=args.seed, threads=args.threads, clock=args.clock,
                        progress=lambda m: print(m, file=sys.stderr))
     doc = document(result, [row(r, result) for r in result.runs])
     doc["scale"] = args.scale
     return doc
+
+
+def _baselines(text: str) -> list[str]:
+    from ..bench.strategies import BASELINES
+    names = [] if text.strip() == "none" else _list(text, str, "--baselines")
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        raise ValueError(f"unknown baseline(s) {', '.join(bad)}; use {', '.join(BASELINES)} or 'none'")
+    return names
 
 
 def _title(doc: dict) -> str:
