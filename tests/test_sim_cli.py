@@ -135,3 +135,16 @@ def test_synthetic_trace_source(tmp_path, monkeypatch, small_trace):
     assert calls == [("olmoe", 40, 3)]
     doc = json.loads(out.read_text())
     assert doc["trace"]["tokens"] == 40 and doc["results"][0]["accesses"] == 4 * 40 * 2
+
+
+def test_probe_profile_feeds_sim(small_trace, tmp_path, capsys):
+    profile, out = tmp_path / "hw.json", tmp_path / "o.json"
+    assert main(["probe", "-o", str(profile), "--seconds", "0.02", "--base", "pcie5-consumer"]) == 0
+    data = json.loads(profile.read_text())
+    assert {"cpu_gflops", "cpu_mem_gbps"} <= set(data["measured"]) and data["base"] == "pcie5-consumer"
+    assert main(["sim", str(small_trace), "--policy", "lru", "--slots", "8", "--hardware", str(profile),
+                 "--miss-path", "cpu", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["cost_model"]["hardware"] == "probed" and doc["results"][0]["predicted_tok_s"] > 0
+    assert main(["probe", "--seconds", "0"]) == 2
+    assert "--seconds must be positive" in capsys.readouterr().err
