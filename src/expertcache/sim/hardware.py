@@ -9,6 +9,7 @@ present) and takes the rest from a base preset, listing which fields it measured
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -97,6 +98,8 @@ def cpu_mem_gbps(seconds: float = 0.5, mib: int = 256) -> float:
 
 def gpu_rates(seconds: float = 0.5, mib: int = 256) -> dict[str, float]:
     """Pinned H2D and device-to-device GB/s via torch; {} without torch or CUDA."""
+    if not _gpu_driver_present():  # skip a multi-second torch import on CPU-only machines
+        return {}
     try:
         import torch  # lazily: sim/ never imports torch at module level
     except ImportError:
@@ -116,6 +119,13 @@ def gpu_rates(seconds: float = 0.5, mib: int = 256) -> dict[str, float]:
     h2d = n / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
     d2d = 2 * n / timed(lambda: dev2.copy_(dev)) / 1e9
     return {"h2d_gbps": h2d, "gpu_mem_gbps": d2d}
+
+
+def _gpu_driver_present() -> bool:
+    """On Linux a CUDA (or ROCm) device needs its kernel driver; elsewhere ask torch."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/kfd").exists()
 
 
 def _best_time(fn, seconds: float) -> float:
