@@ -176,6 +176,67 @@ def test_s3fifo_clock_goes_round_until_the_lowest_count():
     assert list(p.queues()["main"].items()) == [(2, 2), (0, 0)]
 
 
+def s3fifo_with_main(counts: dict[int, int], protected_s: int = 99):
+    """An s3fifo policy whose M holds ``counts`` (key -> hits) in that order and whose S holds
+    one hit key (so the next victim comes from M's CLOCK)."""
+    from expertcache.policies.registry import make_eviction
+    p = make_eviction("s3fifo", len(counts) + 1, small=0.01)  # S target 1
+    for k in counts:
+        p.on_insert(k, 0)
+    for _ in counts:
+        p.on_remove(p.victim(()))  # oldest first: every key goes to the ghost ...
+    for k in counts:
+        p.on_insert(k, 0)          # ... and comes back into M with count 0
+    p.on_insert(protected_s, 0)
+    p.on_access(protected_s, 0)
+    for k, hits in counts.items():
+        for _ in range(hits):
+            p.on_access(k, 0)
+    assert p.queues()["main"] == counts and list(p.queues()["main"]) == list(counts)
+    return p
+
+
+def test_s3fifo_keys_the_hand_passes_lose_f_plus_one_only():
+    # Regression: the sweep used to take f + 1 from keys before the victim and then f again.
+    # M = [1:3, 2:1, 3:3]. Round 1: 1 -> 2, 2 -> 0, 3 -> 2 (each to the back). Round 2: 1 -> 1,
+    # then 2 has count 0: the victim. Left, in order: [3:2, 1:1].
+    p = s3fifo_with_main({1: 3, 2: 1, 3: 3})
+    assert p.victim(()) == 2
+    p.on_remove(2)
+    assert list(p.queues()["main"].items()) == [(3, 2), (1, 1)]
+
+
+def literal_clock(counts: dict[int, int], protected) -> tuple[int, list[tuple[int, int]]]:
+    """S3-FIFO's M as the paper runs it: the hand takes the front key; count 0 and not
+    protected -> evicted, else count - 1 (not below 0) and to the back."""
+    queue = list(counts.items())
+    while True:
+        key, count = queue.pop(0)
+        if count == 0 and key not in protected:
+            return key, queue
+        queue.append((key, max(0, count - 1)))
+
+
+def test_s3fifo_sweep_equals_a_literal_clock():
+    # The pure victim() plus on_remove's one-shot sweep must land exactly where the literal
+    # CLOCK does, for every queue of up to 5 keys (counts 0..3) and protected subsets.
+    import itertools
+    import random
+    rng = random.Random(5)
+    for n in range(1, 6):
+        for counts in itertools.product(range(4), repeat=n):
+            keys = rng.sample(range(20), n)
+            protected = {k for k in keys if rng.random() < 0.3}
+            if len(protected) == n:
+                protected.pop()
+            state = dict(zip(keys, counts))
+            p = s3fifo_with_main(state)
+            victim, left = literal_clock(state, protected | {99})
+            assert p.victim(protected | {99}) == victim, (state, protected)
+            p.on_remove(victim)
+            assert list(p.queues()["main"].items()) == left, (state, protected)
+
+
 def test_static_pins_and_runs_lru_for_the_rest():
     # keys 1, 2 pinned (slots 0, 1); LRU over the other 2 slots: 5 evicts 3, 3 evicts 4.
     seq = [1, 2, 3, 4, 5, 3, 1]

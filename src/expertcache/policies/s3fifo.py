@@ -86,14 +86,18 @@ class S3FIFO(EvictionPolicy):
         """The CLOCK sweep that stops at ``key``: keys passed lose f + 1 and go to the back."""
         main = self._main
         f = main[key]
+        passed = []  # keys in front of the victim: examined f + 1 times
         while True:
             other, count = main.popitem(last=False)
             if other == key:
                 break
-            main[other] = max(0, count - f - 1)
-        if f:  # the sweep went round f times: every key left lost f
+            passed.append((other, count))
+        if f:  # keys behind the victim were examined f times (the hand went round f times)
             for other in main:
                 main[other] = max(0, main[other] - f)
+        # Only now append the passed keys, so they lose f + 1 once, not f more on top.
+        for other, count in passed:
+            main[other] = max(0, count - f - 1)
 
     def victim(self, protected) -> int | None:
         if len(self._small) >= self.small_target or not self._main:
