@@ -93,7 +93,7 @@ def document(result, results_rows: list[dict]) -> dict:
 def machine(device) -> dict:
     """CPU model, cores, memory and (on CUDA) the GPU, for results files."""
     info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "l3_cache": _read("/sys/devices/system/cpu/cpu0/cache/index3/size")}
     try:
         import torch
         info["torch"] = torch.__version__
@@ -108,6 +108,14 @@ def machine(device) -> dict:
     except (OSError, ValueError, IndexError):
         pass
     return info
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
 
 
 def _cpu_model() -> str:
