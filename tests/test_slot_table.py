@@ -174,3 +174,70 @@ def test_numpy_expert_ids_give_plain_int_keys():
     assert all(type(k) is int for k in table.resident())
     table.seed([np.int64(3)])
     assert type(next(iter(table.seed([np.int64(4)]).loads))) is int
+
+
+def test_pin_before_the_first_step_keeps_keys_for_good():
+    table = SlotTable(2, 4, 4, eviction="lru")
+    plan = table.pin([(1, 2), 0, 6])  # (1, 2) is key 6 again: pinned once
+    assert plan.loads == {6: 0, 0: 1} and table.pinned == {0, 6}
+    assert table.pin([0]).loads == {}  # already pinned: nothing to copy
+    for e in (1, 2, 3, 1, 2, 3):  # two dynamic slots churn; the pins never leave
+        assert not set(table.step(0, [e]).evictions) & {0, 6}
+    assert table.step(1, [2, 0]).hits == {6: 0}
+    assert table.resident()[0] == 1
+
+
+def test_pin_equals_the_constructor_pinned_argument():
+    seq = [[0], [1, 2], [3], [0, 3], [2], [1], [5, 6], [0]]
+    by_ctor = SlotTable(1, 8, 3, eviction="fifo", pinned=[2])
+    by_pin = SlotTable(1, 8, 3, eviction="fifo")
+    by_pin.pin([2])
+    for step in seq:
+        assert repr(by_ctor.step(0, step)) == repr(by_pin.step(0, step))
+    assert by_ctor.stats().to_dict() == by_pin.stats().to_dict()
+
+
+def test_pin_per_layer_goes_to_the_keys_own_partition():
+    table = SlotTable(2, 8, 4, partition="per-layer")
+    assert table.pin([(1, 3)]).loads == {11: 2}  # layer 1 owns slots 2, 3
+
+
+@pytest.mark.parametrize("prepare", ["step", "seed"])
+def test_pin_after_a_step_or_seed_is_refused(prepare):
+    table = SlotTable(1, 8, 4)
+    table.step(0, [1]) if prepare == "step" else table.seed([1])
+    with pytest.raises(ValueError, match="fresh table.*before the first step"):
+        table.pin([2])
+    assert table.pinned == frozenset()
+
+
+def test_pin_after_reset_stats_is_still_refused():
+    # reset_stats clears counters, not residency: the table is no longer fresh.
+    table = SlotTable(1, 8, 4)
+    table.step(0, [1])
+    table.reset_stats()
+    with pytest.raises(ValueError, match="fresh table"):
+        table.pin([2])
+
+
+def test_pin_that_does_not_fit_pins_nothing():
+    table = SlotTable(2, 4, 4, partition="per-layer")
+    with pytest.raises(ValueError, match=r"too many pinned experts.*2 slots"):
+        table.pin([0, (1, 0), 1, 2])  # layer 0 has 2 slots, asked for 3
+    assert table.pinned == frozenset() and table.resident() == {}
+    assert table.pin([0, 1]).loads == {0: 0, 1: 1}
+
+
+@pytest.mark.parametrize("keys, error, match", [
+    ([8], ValueError, r"expert key 8 out of range 0\.\.7"),
+    ([(2, 0)], ValueError, "layer 2, expert 0"),
+    ([(0, 1, 2)], ValueError, r"\(layer, expert\)"),
+    (["3"], ValueError, "whole number"),
+    (3, TypeError, "wrap a single key in a list"),
+    ("3", TypeError, "iterable of keys"),
+])
+def test_pin_bad_keys_are_clear_errors(keys, error, match):
+    table = SlotTable(2, 4, 4)
+    with pytest.raises(error, match=match):
+        table.pin(keys)
+    assert table.pinned == frozenset()

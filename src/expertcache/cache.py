@@ -121,18 +121,23 @@ class SlotTable:
                              f"up to top_k={top_k}; give at least {top_k * (1 if partition == 'global' else self.num_layers)} slots")
         return shares
 
-    def _pin(self, keys: list) -> None:
-        for item in keys:
-            key = self.key(*item) if isinstance(item, tuple) else self._check_key(item)
-            if key in self._pinned:
-                continue
+    def _pin(self, keys: list) -> list[int]:
+        """Pin ``keys`` into free slots, all or none; returns the newly pinned keys."""
+        new = list(dict.fromkeys(k for k in map(self.as_key, keys) if k not in self._pinned))
+        wanted: dict[int, int] = {}  # id(partition) -> free slots it must give
+        for key in new:
             part = self._part_of_layer[key // self.num_experts]
-            if not part.free:
+            wanted[id(part)] = n = wanted.get(id(part), 0) + 1
+            if n > len(part.free):  # checked before any slot is taken: no half-pinned table
                 raise ValueError(f"too many pinned experts: {ExpertKey(*divmod(key, self.num_experts))} "
-                                 f"does not fit in a partition of {part.capacity} slots")
+                                 f"does not fit in a partition of {part.capacity} slots "
+                                 f"({len(part.free)} free)")
+        for key in new:
+            part = self._part_of_layer[key // self.num_experts]
             slot = part.free.pop()
             self._slot_of[key], self._key_of[slot] = slot, key
             self._pinned.add(key)
+        return new
 
     # -- queries --------------------------------------------------------------
     def key(self, layer: int, expert: int) -> int:
@@ -141,6 +146,14 @@ class SlotTable:
             raise ValueError(f"expert key out of range: layer {layer}, expert {expert}; this table has "
                              f"{self.num_layers} layers x {self.num_experts} experts")
         return layer * self.num_experts + expert
+
+    def as_key(self, item: int | tuple[int, int]) -> int:
+        """The int key of ``item``: an int key (range-checked) or a ``(layer, expert)`` pair."""
+        if isinstance(item, tuple):
+            if len(item) != 2:
+                raise ValueError(f"an expert key pair is (layer, expert), got {item!r}")
+            return self.key(*item)
+        return self._check_key(item)
 
     def _check_key(self, key: int) -> int:
         key = _whole("expert key", key)
@@ -178,11 +191,33 @@ class SlotTable:
             part.policy.bind_future(future)
         self._future_bound = True
 
+    def pin(self, keys: Iterable[int | tuple[int, int]]) -> Plan:
+        """Keep ``keys`` (int keys or ``(layer, expert)`` pairs) resident for good.
+
+        Same as the constructor's ``pinned=``: pinned keys take free slots, count
+        against their partition's capacity and are never evicted; the policy never
+        sees them. Only a fresh table accepts pins (no step run, nothing seeded),
+        because a pin must not take a slot a live key holds. Returns a Plan whose
+        ``loads`` map each newly pinned key to its slot (the copies to make).
+        Nothing is pinned if the keys do not all fit (ValueError).
+        """
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            raise TypeError(f"pin() takes an iterable of keys (ints or (layer, expert) pairs), "
+                            f"got {keys!r}; wrap a single key in a list")
+        if self._now or len(self._slot_of) > len(self._pinned):
+            raise ValueError("pin() needs a fresh table: pin before the first step and before "
+                             "seed() (or pass pinned= to SlotTable); seed() preloads keys that "
+                             "may be evicted later")
+        plan = Plan()
+        for key in self._pin(list(keys)):
+            plan.loads[key] = self._slot_of[key]
+        return plan
+
     def seed(self, keys: Iterable[int | tuple[int, int]]) -> Plan:
         """Preload keys into free slots (evictable later); no access is counted."""
         plan = Plan()
         for item in keys:
-            key = self.key(*item) if isinstance(item, tuple) else self._check_key(item)
+            key = self.as_key(item)
             part = self._part_of_layer[key // self.num_experts]
             if key in self._slot_of or not part.free:
                 continue

@@ -74,20 +74,14 @@ def apply_imatrix(table: SlotTable, keys, mode: str) -> Plan:
     runtime must make before the first step).
     """
     check_mode(mode)
-    keys = [table.key(*k) if isinstance(k, tuple) else table._check_key(k) for k in keys]
+    keys = [table.as_key(k) for k in keys]
     if mode == "none" or not keys:
         return Plan()
     if mode == "seed":
         return table.seed(keys)
     _check_fresh(table)
     _check_pin_fits(table, keys)
-    before = set(table.pinned)
-    table._pin(keys)  # SlotTable's construction-time pinning; safe because the table is fresh
-    plan = Plan()
-    for key in keys:
-        if key not in before:
-            plan.loads[key] = table.slot_of(key)
-    return plan
+    return table.pin(keys)
 
 
 def _check_fresh(table: SlotTable) -> None:
