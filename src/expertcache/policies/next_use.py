@@ -47,11 +47,11 @@ class NextUse(EvictionPolicy):
     description = ("learned next-use: evict the key least likely to be reused within `horizon` "
                    "passes (tokens), from online reuse-gap statistics by decayed use count "
                    "(over `window` passes) and age")
-    params = {"window": 32.0, "horizon": 2}
+    params = {"window": 64.0, "horizon": 4}
     rebuild_every = 512    # recompute the score table after this many observed reuses (~0.1 ms)
     halve_every = 1 << 16  # then halve the histogram too, so it follows drift
 
-    def __init__(self, capacity: int, window: float = 32.0, horizon: int = 2) -> None:
+    def __init__(self, capacity: int, window: float = 64.0, horizon: int = 4) -> None:
         super().__init__(capacity)
         if window < 1:
             raise ValueError(f"parameter 'window' of policy {self.name!r} must be at least 1 "
@@ -62,8 +62,8 @@ class NextUse(EvictionPolicy):
         self.window, self.horizon = float(window), int(horizon)
         self._period = 0      # steps per pass; 0 until some key is reused
         self._now = 0         # latest step seen (victim() is not told the clock)
-        self._when: dict[int, int] = {}      # key -> step of its last use (kept after eviction)
-        self._count: dict[int, float] = {}   # key -> decayed use count at that use
+        # key -> (step of its last use, decayed use count then, class then); kept after eviction
+        self._info: dict[int, tuple[int, float, int]] = {}
         self._classes = [OrderedDict() for _ in range(_NCLASS)]  # resident keys, oldest first
         self._class: dict[int, int] = {}     # resident key -> its class
         # hist[c][g]: reuses after g passes by keys of class c (g = _GAPS + 1: longer)
@@ -73,27 +73,27 @@ class NextUse(EvictionPolicy):
 
     # -- learning -------------------------------------------------------------
     def _use(self, key: int, now: int) -> int:
-        """Record a use of ``key`` at step ``now``; returns its new class."""
+        """Record a use of ``key`` at step ``now``; returns its new class. (The hot path.)"""
         self._now = now
-        when = self._when.get(key)
-        if when is None:
+        info = self._info.get(key)
+        if info is None:
             count = 1.0
-        elif now > when:
-            steps = now - when
-            if self._period == 0 or steps < self._period:
-                self._period = steps
-            passes = steps / self._period
-            old = self._count[key]
-            self._hist[bisect_right(_EDGES, old)][min(round(passes), _GAPS + 1)] += 1.0
-            count = 1.0 + old * math.exp(-passes / self.window)
+        elif now > info[0]:
+            steps, period = now - info[0], self._period
+            if period == 0 or steps < period:
+                period = self._period = steps
+            passes = steps / period
+            gap = int(passes + 0.5)
+            self._hist[info[2]][gap if gap <= _GAPS else _GAPS + 1] += 1.0
+            count = 1.0 + info[1] * math.exp(-passes / self.window)
             self._seen += 1
             if self._seen % self.rebuild_every == 0:
                 self._rebuild()
         else:
-            count = self._count[key]   # same step again (seeding): no new evidence
-        self._when[key] = now
-        self._count[key] = count
-        return bisect_right(_EDGES, count)
+            count = info[1]            # same step again (seeding): no new evidence
+        cls = bisect_right(_EDGES, count)
+        self._info[key] = (now, count, cls)
+        return cls
 
     def _rebuild(self) -> None:
         if self._seen % self.halve_every == 0:
@@ -109,7 +109,8 @@ class NextUse(EvictionPolicy):
         later = [0.0] * (top + 1)   # later[a]: reuses after more than a passes
         for g in range(top, 0, -1):
             later[g - 1] = later[g] + row[g]
-        return [(later[a] - later[min(a + h, top)]) / later[a] if later[a] else 0.0
+        # within (a, a + h]; gaps past _GAPS sit in one bucket known only to be longer
+        return [(later[a] - later[min(a + h, _GAPS)]) / later[a] if later[a] else 0.0
                 for a in range(top)]
 
     # -- EvictionPolicy -------------------------------------------------------
@@ -130,13 +131,13 @@ class NextUse(EvictionPolicy):
         del self._classes[self._class.pop(key)][key]
 
     def victim(self, protected) -> int | None:
-        when, period, now = self._when, self._period or 1, self._now
+        info, period, now = self._info, self._period or 1, self._now
         best, best_rank = None, None
         for keys, score in zip(self._classes, self._score):
             for key in keys:          # oldest first: the first unprotected one
                 if key in protected:
                     continue
-                last = when[key]
+                last = info[key][0]
                 # lowest reuse odds first; among equals, the least recently used
                 rank = (score[min((now - last) // period, _GAPS)], last)
                 if best_rank is None or rank < best_rank:
@@ -148,5 +149,5 @@ class NextUse(EvictionPolicy):
 @register
 class Default(NextUse):
     name = "default"
-    description = ("default: currently next-use(window=32, horizon=2) with admission 'always' "
+    description = ("default: currently next-use(window=64, horizon=4) with admission 'always' "
                    "(see docs/policies.md, Research)")
