@@ -5,6 +5,7 @@ real traces (slow). The contract suite covers it too (it iterates the registry).
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -76,6 +77,28 @@ def test_same_step_seeding_is_not_evidence():
     p.on_insert(1, 0)
     p.on_insert(1, 0)
     assert p._period == 0 and sum(map(sum, p._hist)) == 0
+
+
+def test_learned_victims_are_pure_resident_and_unprotected():
+    # The contract suite's workloads are too short to fill the score table; here it is
+    # rebuilt at every reuse of a skewed 3-key-per-step stream, so victims come from it.
+    rng = random.Random(0)
+    p, resident = Eager(6), set()
+    for now in range(3000):
+        step = rng.sample(range(4), 2) + rng.sample(range(4, 24), 1)
+        for key in step:
+            if key in resident:
+                p.on_access(key, now)
+                continue
+            if len(resident) == 6:
+                victim = p.victim(set(step))
+                assert victim == p.victim(set(step))          # a pure query
+                assert victim in resident and victim not in step
+                p.on_remove(victim)
+                resident.discard(victim)
+            p.on_insert(key, now)
+            resident.add(key)
+    assert p._seen > 2000 and p._score[0] != p._score[9]      # learned, per class
 
 
 def _scan_sequence(passes):
