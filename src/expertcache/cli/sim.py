@@ -26,6 +26,10 @@ def add_parser(sub) -> None:
                       help="miss-ratio curve over POINTS sizes (default 12)")
     p.add_argument("--partition", default="global", choices=("global", "per-layer"))
     p.add_argument("--tokens", type=int, help="replay only the first N tokens")
+    p.add_argument("--steps", default="auto", choices=("auto", "token", "batched"),
+                   help="step order: batched = the prompt as one step per layer, as the runtime "
+                        "runs it; token = one step per token; auto (default) = the trace's meta "
+                        "(recorded traces are batched)")
     p.add_argument("--json", metavar="OUT", help="write results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="draw hit rate against slots")
     p.add_argument("--hardware", default="pcie4-consumer",
@@ -68,7 +72,7 @@ def run(args) -> int:
     else:
         fractions = _numbers(args.fraction or "0.125,0.25", float, "--fraction")
         slots = [slots_for_fraction(trace, f) for f in fractions]
-    prep = Prepared(trace)
+    prep = Prepared(trace, None if args.steps == "auto" else args.steps)
     if args.imatrix:  # placement changes every replay, so no shared sweep kernels
         from ..imatrix.simulate import imatrix_replays
         results = imatrix_replays(prep, policies, slots, args.partition, args.imatrix,

@@ -116,9 +116,9 @@ def _table_job(spec: PolicySpec, slots: int, partition: str) -> ReplayResult:
     return _table_result(_WORKER, spec, slots, partition)
 
 
-def _init_worker(experts, meta, phase) -> None:
+def _init_worker(experts, meta, phase, order) -> None:
     global _WORKER
-    _WORKER = Prepared(Trace(experts, meta, None, phase))
+    _WORKER = Prepared(Trace(experts, meta, None, phase), order)
 
 
 def _pool(prep: Prepared, workers: int | None, jobs: int) -> ProcessPoolExecutor | None:
@@ -128,7 +128,7 @@ def _pool(prep: Prepared, workers: int | None, jobs: int) -> ProcessPoolExecutor
         return None
     tr = prep.trace
     return ProcessPoolExecutor(workers, initializer=_init_worker,
-                               initargs=(tr.experts, tr.meta, tr.phase))
+                               initargs=(tr.experts, tr.meta, tr.phase, prep.order))
 
 
 def _ticker(progress, total):

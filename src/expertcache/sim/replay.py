@@ -2,7 +2,10 @@
 
 Semantics (issue 3): cold start; steps run token-major (token 0 layers
 0..L-1, then token 1, ...); every access is counted; a hit is a key resident
-when its step begins; the phase comes from the trace. ``belady`` is the exact
+when its step begins; the phase comes from the trace. A recorded trace (meta
+``prefill_steps: batched``) replays its prompt as one step per layer, the
+union of the prompt tokens' experts, as the live run planned it
+(``trace.steps``); the kernels take such steps padded to the widest. ``belady`` is the exact
 optimum with forced admission: the table is handed a ``Future`` built from the
 same steps. The table is the runtime's own code, so simulated and live hit
 rates cannot drift apart; ``sim.fast`` kernels are exact copies of it for
@@ -114,34 +117,65 @@ def check_table(trace: Trace, spec: PolicySpec, slots: int, partition: str,
 
 
 class Prepared:
-    """A trace turned into the arrays and lists replays need, each built once."""
+    """A trace turned into the arrays and lists replays need, each built once.
 
-    def __init__(self, trace: Trace) -> None:
+    ``order`` is the step order (``trace.steps``): None follows the trace's meta, so a
+    recorded trace (``prefill_steps: batched``) replays its prompt as one step per
+    layer, as the live run did; ``"token"`` or ``"batched"`` force one.
+    """
+
+    def __init__(self, trace: Trace, order: str | None = None) -> None:
+        from ..trace.steps import batched_prompt, step_order
         self.trace = trace
         self.L, self.E = trace.num_layers, trace.num_experts
+        self.order = step_order(trace, order)
+        self.prompt = batched_prompt(trace, self.order)  # tokens merged into row 0; 0 = none
 
     @cached_property
-    def keys(self) -> np.ndarray:        # int32 [T*L, K], -1 = repeat within a step
+    def _rows(self) -> tuple[list[list[list[int]]], list[int]]:
+        from ..trace.steps import step_rows
+        return step_rows(self.trace, self.order)
+
+    @cached_property
+    def keys(self) -> np.ndarray:        # int32 [R*L, W], -1 = padding or a repeat within a step
+        from ..trace.steps import row_keys
         from .fast import step_keys
-        return step_keys(self.trace.experts, self.E)
+        P = self.prompt
+        tokens = step_keys(self.trace.experts[:, P:], self.E)  # [(T-P)*L, K]
+        if not P:
+            return tokens
+        # The batched prompt's steps are wider than K: pad every row to the widest.
+        head = row_keys(self.step_lists[:1], self.E, tokens.shape[1])
+        keys = np.full((head.shape[0] + tokens.shape[0], head.shape[1]), -1, np.int32)
+        keys[:head.shape[0]] = head
+        keys[head.shape[0]:, :tokens.shape[1]] = tokens
+        return keys
 
     @cached_property
-    def phases(self) -> np.ndarray:      # uint8 [T*L]
-        return np.repeat(self.trace.phases.astype(np.uint8), self.L)
+    def row_phases(self) -> list[int]:
+        """Each row's phase (a row = one step per layer)."""
+        return self._rows[1]
 
     @cached_property
-    def nexts(self) -> np.ndarray:       # int64 [T*L, K] next step using each key
+    def phases(self) -> np.ndarray:      # uint8 [R*L]
+        return np.repeat(np.asarray(self.row_phases, dtype=np.uint8), self.L)
+
+    @cached_property
+    def nexts(self) -> np.ndarray:       # int64 [R*L, W] next step using each key
         from .fast import next_uses
         return next_uses(self.keys)
 
     @cached_property
     def step_lists(self) -> list[list[list[int]]]:
-        """Per token, per layer: the expert ids in rank order, repeats dropped."""
-        rows = self.trace.experts.transpose(1, 0, 2).tolist()  # T, L, K
-        srt = np.sort(self.trace.experts, axis=2)
-        if (srt[:, :, 1:] == srt[:, :, :-1]).any():
-            rows = [[list(dict.fromkeys(ex)) for ex in tok] for tok in rows]
-        return rows
+        """Per row (a token, or the batched prompt), per layer: expert ids in rank order,
+        repeats dropped."""
+        return self._rows[0]
+
+    @cached_property
+    def widest_step(self) -> int:
+        """Most keys one step needs: top-k, or more for a batched prompt."""
+        return max((len(ex) for ex in self.step_lists[0]), default=0) if self.prompt \
+            else self.trace.top_k
 
     def future(self) -> Future:
         E = self.E
@@ -228,11 +262,18 @@ def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str) -> 
         check_table(prep.trace, spec, slots, partition)
     parts = 1 if partition == "global" else prep.L
     dist = fast.lru_distances(prep.keys, prep.phases, prep.L, prep.E, parts)
-    return [ReplayResult("lru", "always", partition, slots,
-                         Stats(fast.lru_counts_at(dist, per_partition(slots, partition, prep.L),
-                                                  parts).tolist()),
-                         "lru-stack", "lru")
-            for slots in slots_list]
+    out = []
+    for slots in slots_list:
+        cap = per_partition(slots, partition, prep.L)
+        if cap < prep.widest_step:
+            # A step wider than the cache bypasses part of itself and the stack argument
+            # (module doc of sim.fast) no longer holds: replay this size exactly instead.
+            counts, engine = fast_counts(prep, spec, slots, partition)
+        else:
+            counts, engine = fast.lru_counts_at(dist, cap, parts), "lru-stack"
+        out.append(ReplayResult("lru", "always", partition, slots, Stats(counts.tolist()),
+                                engine, "lru"))
+    return out
 
 
 def table_replay(prep: Prepared, table: SlotTable, seed: Sequence[int] = ()) -> Stats:
@@ -241,7 +282,7 @@ def table_replay(prep: Prepared, table: SlotTable, seed: Sequence[int] = ()) -> 
         table.seed(seed)
     if table.needs_future:
         table.bind_future(prep.future())
-    phases = prep.trace.phases.tolist()
+    phases = prep.row_phases
     # The lists were validated and de-duplicated once, so call the table's
     # inner step directly: the same code as step() without per-call checks.
     step = table._step
