@@ -118,12 +118,14 @@ class NextUse(EvictionPolicy):
         cls = self._use(key, now)
         old = self._class.get(key)
         if old == cls:
-            self._classes[cls].move_to_end(key)
-            return
-        if old is not None:
-            del self._classes[old][key]
-        self._class[key] = cls
-        self._classes[cls][key] = None
+            members = self._classes[cls]
+            members.move_to_end(key)
+        else:
+            if old is not None:
+                del self._classes[old][key]
+            self._class[key] = cls
+            members = self._classes[cls]
+        members[key] = now            # value: the last use, read by victim()
 
     on_access = on_insert
 
@@ -131,17 +133,17 @@ class NextUse(EvictionPolicy):
         del self._classes[self._class.pop(key)][key]
 
     def victim(self, protected) -> int | None:
-        info, period, now = self._info, self._period or 1, self._now
-        best, best_rank = None, None
-        for keys, score in zip(self._classes, self._score):
-            for key in keys:          # oldest first: the first unprotected one
+        period, now = self._period or 1, self._now
+        best, best_score, best_last = None, 2.0, 0
+        for members, score in zip(self._classes, self._score):
+            for key, last in members.items():   # oldest first: the first unprotected one
                 if key in protected:
                     continue
-                last = info[key][0]
+                age = (now - last) // period
+                odds = score[age] if age < _GAPS else score[_GAPS]
                 # lowest reuse odds first; among equals, the least recently used
-                rank = (score[min((now - last) // period, _GAPS)], last)
-                if best_rank is None or rank < best_rank:
-                    best, best_rank = key, rank
+                if odds < best_score or (odds == best_score and last < best_last):
+                    best, best_score, best_last = key, odds, last
                 break
         return best
 
