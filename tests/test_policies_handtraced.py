@@ -146,20 +146,24 @@ def test_arc_adapts_its_target():
 def test_s3fifo_queues():
     # small=0.25 of 4 -> S target 1. 0..3 enter S; 0 is hit. 4: S's 0 was hit -> promoted to M,
     # 1 is the victim (ghost). 1 returns from the ghost straight to M, evicting S's 2. 0 hit (M).
-    # 5 evicts 3; 2 (ghost) evicts 4 and joins M. 5 hit in S. 6: S's only key was hit, so M's
-    # CLOCK runs: 0 (count 1) gets a second chance, 1 (count 0) is the victim.
+    # 5 evicts 3; 2 (ghost) evicts 4 and joins M. 5 hit in S. 6: S's only key was hit, so all
+    # of S (5) moves to M with count 0 and M's CLOCK runs over [0:1, 1:0, 2:0, 5:0]: 0 gets
+    # a second chance (to the back, count 0), 1 (count 0) is the victim; it leaves M, so it
+    # does not enter the ghost.
     seq = [0, 1, 2, 3, 0, 4, 1, 0, 5, 2, 5, 6]
     out, ev, table = replay("s3fifo", seq, 4, eviction_params={"small": 0.25})
     assert out == "LLLLHLLHLLHL"
     assert [e for e in ev if e is not None] == [1, 2, 3, 4, 1]
     q = table._parts[0].policy.queues()
-    assert q == {"small": {5: 1, 6: 0}, "main": {2: 0, 0: 0}, "ghost": [3, 4]}
-    assert list(q["main"]) == [2, 0]
+    assert q == {"small": {6: 0}, "main": {2: 0, 5: 0, 0: 0}, "ghost": [3, 4]}
+    assert list(q["main"]) == [2, 5, 0]
 
 
 def test_s3fifo_clock_goes_round_until_the_lowest_count():
-    # M = [0:2, 1:1, 2:3] and S = [3:1]. CLOCK by hand: round 1 ages all to [0:1, 1:0, 2:2],
-    # round 2 ages 0 to 0 and stops at 1. Left: [2:2, 0:0] in that order.
+    # M = [0:2, 1:1, 2:3] and S = [3:1]. S is due but its only key was hit, so S moves to M
+    # with count 0: [0:2, 1:1, 2:3, 3:0]. CLOCK by hand: round 1 ages 0, 1, 2 and stops at 3.
+    # With 3 protected (the step needs it): round 1 ages all to [0:1, 1:0, 2:2, 3:0] (3 is
+    # skipped), round 2 ages 0 to 0 and stops at 1. Left: [2:2, 3:0, 0:0] in that order.
     from expertcache.policies.registry import make_eviction
     p = make_eviction("s3fifo", 4, small=0.25)
     for k in range(4):
@@ -171,14 +175,15 @@ def test_s3fifo_clock_goes_round_until_the_lowest_count():
     for k, hits in {0: 2, 1: 1, 2: 3, 3: 1}.items():
         for _ in range(hits):
             p.on_access(k, 0)
-    assert p.victim(()) == 1 and p.victim({1}) == 0
+    assert p.victim(()) == 3 and p.victim({3}) == 1 and p.victim({1, 3}) == 0
     p.on_remove(1)
-    assert list(p.queues()["main"].items()) == [(2, 2), (0, 0)]
+    assert list(p.queues()["main"].items()) == [(2, 2), (3, 0), (0, 0)]
+    assert p.queues()["small"] == {}
 
 
-def s3fifo_with_main(counts: dict[int, int], protected_s: int = 99):
-    """An s3fifo policy whose M holds ``counts`` (key -> hits) in that order and whose S holds
-    one hit key (so the next victim comes from M's CLOCK)."""
+def s3fifo_with_main(counts: dict[int, int]):
+    """An s3fifo policy whose M holds ``counts`` (key -> hits) in that order and whose S is
+    empty (so the next victim comes from M's CLOCK)."""
     from expertcache.policies.registry import make_eviction
     p = make_eviction("s3fifo", len(counts) + 1, small=0.01)  # S target 1
     for k in counts:
@@ -187,12 +192,11 @@ def s3fifo_with_main(counts: dict[int, int], protected_s: int = 99):
         p.on_remove(p.victim(()))  # oldest first: every key goes to the ghost ...
     for k in counts:
         p.on_insert(k, 0)          # ... and comes back into M with count 0
-    p.on_insert(protected_s, 0)
-    p.on_access(protected_s, 0)
     for k, hits in counts.items():
         for _ in range(hits):
             p.on_access(k, 0)
     assert p.queues()["main"] == counts and list(p.queues()["main"]) == list(counts)
+    assert p.queues()["small"] == {}
     return p
 
 
@@ -231,8 +235,8 @@ def test_s3fifo_sweep_equals_a_literal_clock():
                 protected.pop()
             state = dict(zip(keys, counts))
             p = s3fifo_with_main(state)
-            victim, left = literal_clock(state, protected | {99})
-            assert p.victim(protected | {99}) == victim, (state, protected)
+            victim, left = literal_clock(state, protected)
+            assert p.victim(protected) == victim, (state, protected)
             p.on_remove(victim)
             assert list(p.queues()["main"].items()) == left, (state, protected)
 
