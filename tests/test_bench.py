@@ -121,13 +121,15 @@ def test_json_rows_follow_the_issue_schema(result):
     for key in ("model", "layers", "top_k", "num_experts", "expert_bytes", "tokens", "device", "results"):
         assert key in doc
     assert doc["tokens"] == TOKENS - 8 and doc["layers"] == LAYERS and doc["device"] == "cpu"
+    assert doc["clock"] == "cpu"  # one torch thread on the CPU: the thread's CPU time
     assert doc["machine"]["cores"] >= 1 and doc["machine"]["cpu"]
     for r in doc["results"]:
         for key in ("strategy", "policy", "slots", "accesses", "hits", "misses", "hit_rate",
                     "h2d_bytes_per_token", "slot_bytes", "ms_per_token"):
             assert key in r
         assert set(r["ms_per_token"]) == {"cold", "warm", "steady"}
-        assert r["ms_per_token"]["steady"] > 0
+        assert r["ms_per_token"]["steady"] > 0 and r["wall_ms_per_token"]["steady"] > 0
+        assert 0 <= r["overhead_share"] < 1 and r["steady_breakdown_ms"]["compute"] > 0
     cep = next(r for r in doc["results"] if r["strategy"] == "copy-every-pass")
     assert cep["h2d_bytes_per_token"] == LAYERS * 8 * doc["expert_bytes"]
     json.dumps(doc)  # serialisable as is
@@ -175,9 +177,12 @@ def test_cli_bench_writes_json_and_plot(tmp_path, capsys):
     (["--preset", "olmoe", "--scale", "0"], "--scale"),
     (["--preset", "olmoe", "--device", "tpu"], "--device"),
     (["--preset", "olmoe", "--tokens", "0"], "--tokens"),
+    (["--preset", "olmoe", "--baselines", "gpu"], "unknown baseline"),
+    (["--preset", "olmoe", "--device", "cpu", "--threads", "2", "--clock", "cpu"], "--threads 1"),
 ])
 def test_cli_bench_bad_input(argv, words, capsys):
-    code = main(["bench", "--layers", "2", "--tokens", "20", "--scale", "0.03", *argv])
+    code = main(["bench", "--layers", "2", "--tokens", "20", "--scale", "0.03", "--dtype", "fp32",
+                 "--hardware", "none", *argv])
     err = capsys.readouterr().err
     assert code == 2 and words in err and "Traceback" not in err
 

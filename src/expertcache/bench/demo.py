@@ -3,8 +3,8 @@
 On the built-in default trace (synthetic Qwen3-30B-A3B routing, 1000 tokens, 64 of
 them prompt): first every chosen policy is replayed by the simulator on all 48
 layers (hit rates against Belady), then the first ``layers`` MoE layers run for real
-at ``scale`` of the model's expert size with the runtime's slot pool, baselines and
-the default policy side by side. Everything it draws or writes goes to ``out``.
+at ``scale`` of the model's expert size (default: full size, 4 layers) with the
+runtime's slot pool, baselines, the default policy and belady side by side. Everything it draws or writes goes to ``out``.
 """
 
 from __future__ import annotations
