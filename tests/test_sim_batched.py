@@ -19,7 +19,8 @@ from expertcache.trace import Trace
 from expertcache.trace.record import live_steps, replay_live
 from expertcache.trace.steps import step_rows
 
-KERNELS = ["lru", "fifo", "belady", "slru", "arc", "lfu", "lru+second-hit", "fifo+window"]
+KERNELS = ["lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo", "lru+second-hit",
+           "fifo+window"]
 
 
 def batched_trace(rng: np.random.Generator, meta: str | None = "batched") -> Trace:

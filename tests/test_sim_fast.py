@@ -36,7 +36,7 @@ def same(a, b) -> bool:
     return a.stats.to_dict() == b.stats.to_dict()
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo", "belady", "slru", "arc", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo"])
 @pytest.mark.parametrize("partition", ["global", "per-layer"])
 def test_kernel_equals_slot_table_on_random_traces(policy, partition):
     rng = np.random.default_rng([ord(c) for c in policy + partition])
@@ -77,7 +77,7 @@ def test_kernels_equal_slot_table_on_real_trace_slices(name, partition):
         for one_pass in lru_all_sizes(prep, [slots], partition):
             assert same(replay(prep, "lru", slots, partition, engine="table"), one_pass)
         for policy in ("lru", "fifo", "belady", "lru+second-hit", "fifo+window", "slru", "arc",
-                       "lfu"):
+                       "lfu", "s3fifo"):
             table = replay(prep, policy, slots, partition, engine="table")
             assert same(table, replay(prep, policy, slots, partition, engine="fast")), (policy, slots)
 
@@ -106,7 +106,9 @@ def test_admission_kernels_equal_slot_table(eviction, partition):
 
 @pytest.mark.parametrize("policy, params", [
     ("slru", {"protected": 0.0}), ("slru", {"protected": 0.3}), ("slru", {"protected": 0.95}),
-    ("lfu", {"decay": 1}), ("lfu", {"decay": 3}), ("lfu", {"decay": 10})])
+    ("lfu", {"decay": 1}), ("lfu", {"decay": 3}), ("lfu", {"decay": 10}),
+    ("s3fifo", {"small": 0.01}), ("s3fifo", {"small": 0.25}), ("s3fifo", {"small": 0.5}),
+    ("s3fifo", {"small": 0.9})])
 def test_kernels_follow_policy_parameters(policy, params):
     rng = np.random.default_rng([ord(c) for c in policy + repr(params)])
     for _ in range(15):
@@ -124,7 +126,8 @@ def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
     slots = (k + 1) * L
     assert replay(prep, "lru+never", slots).engine == "table"
     assert replay(prep, "belady+second-hit", slots).engine == "table"
-    assert replay(prep, "s3fifo", slots).engine == "table"
+    assert replay(prep, "s3fifo+second-hit", slots).engine == "table"
+    assert replay(prep, "s3fifo", slots).engine == "s3fifo-kernel"
     assert replay(prep, "slru+second-hit", slots).engine == "table"
     assert replay(prep, "lru", slots, seed=[0]).engine == "table"
     assert replay(prep, "lru", slots).engine == "lru-kernel"

@@ -1,7 +1,7 @@
 """Sweeps: many policies at many sizes, as fast as exactness allows.
 
 Plain ``lru`` gets every size from one stack-distance pass; ``fifo``, ``slru``, ``arc``, ``lfu``,
-``belady`` and lru / fifo with second-hit or window admission run exact numba
+``s3fifo``, ``belady`` and lru / fifo with second-hit or window admission run exact numba
 kernels per size; every other policy (including
 third-party entry-point policies) replays through ``SlotTable`` in worker
 processes, one job per (policy, size).

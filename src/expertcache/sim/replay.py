@@ -8,8 +8,9 @@ union of the prompt tokens' experts, as the live run planned it
 (``trace.steps``); the kernels take such steps padded to the widest. ``belady`` is the exact
 optimum with forced admission: the table is handed a ``Future`` built from the
 same steps. The table is the runtime's own code, so simulated and live hit
-rates cannot drift apart; ``sim.fast`` kernels are exact copies of it for
-lru, fifo and belady (tested equal) and are used when they apply.
+rates cannot drift apart; ``sim.fast``, ``sim.fast_lists`` and ``sim.fast_s3fifo``
+kernels are exact copies of it for lru, fifo, belady, slru, arc, lfu and s3fifo
+(tested equal) and are used when they apply.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..policies.registry import eviction_policies, parse_spec
 from ..stats import Counts, Stats
 from ..trace.format import Trace
 
-FAST_POLICIES = ("lru", "fifo", "belady", "slru", "arc", "lfu")
+FAST_POLICIES = ("lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo")
 # Admission policies the lru / fifo kernels reproduce, by kernel code (sim.fast.ADMIT_*).
 FAST_ADMISSIONS = {"always": 0, "second-hit": 1, "window": 2}
 ENGINES = ("auto", "table", "fast")
@@ -204,7 +205,7 @@ def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "g
     if engine == "fast" and not fast_ok:
         raise ValueError(f"no fast kernel for {spec.label!r} with these options; kernels cover "
                          "lru and fifo (admission always, second-hit or window), belady, slru, "
-                         "arc and lfu, without pinned or seeded keys (use engine 'table' or 'auto')")
+                         "arc, lfu and s3fifo, without pinned or seeded keys (use engine 'table' or 'auto')")
     if fast_ok and engine != "table":
         counts, name = fast_counts(prep, spec, slots, partition, eviction_params,
                                    admission_params)
@@ -248,6 +249,11 @@ def fast_counts(prep: Prepared, spec: PolicySpec, slots: int, partition: str,
         return fast_lists.arc_replay(*args), name
     if spec.eviction == "lfu":
         return fast_lists.lfu_replay(*args, int(ev["decay"]) or 8 * cap), name
+    if spec.eviction == "s3fifo":
+        from ..policies.registry import make_eviction
+        from .fast_s3fifo import s3fifo_replay
+        target = make_eviction("s3fifo", cap, **ev).small_target  # the policy's own rounding
+        return s3fifo_replay(*args, target), name
     ad = check_params(admission_class(spec.admission), admission_params or {})
     counts = fast.list_replay(*args, spec.eviction == "lru", FAST_ADMISSIONS[spec.admission],
                               int(ad.get("ghost", 1)), int(ad.get("n", 1)), int(ad.get("w", 1)))
