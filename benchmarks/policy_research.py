@@ -57,8 +57,8 @@ def ratios(prep: Prepared, policies, progress=None) -> dict:
     out = {}
     for part, frac in CONFIGS:
         slots = slots_of(prep.trace, frac)
-        if part == "per-layer" and slots // prep.L < prep.trace.top_k:
-            continue  # a per-layer share below top-k cannot serve one step
+        if part == "per-layer" and slots // prep.L <= prep.trace.top_k:
+            continue  # below top-k it cannot serve a step; at top-k every policy is optimal
         best = replay(prep, "belady", slots, part).misses
         row = {"slots": slots, "belady": best}
         for spec in policies:
@@ -95,6 +95,13 @@ def table(results: dict, policies) -> str:
     return "\n".join(lines)
 
 
+def _drop_trivial(results: dict) -> dict:
+    """Rows where every policy equals Belady exactly (a partition of top-k slots) say nothing."""
+    return {name: {cfg: row for cfg, row in rows.items()
+                   if any(v != 1.0 for k, v in row.items() if k not in ("slots", "belady"))}
+            for name, rows in results.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="+", default=["code", "general"])
@@ -102,8 +109,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=0, help="first N tokens of each trace (0 = all)")
     ap.add_argument("--timing", action="store_true", help="also measure microseconds per access")
     ap.add_argument("--json", type=Path, help="save figures here")
+    ap.add_argument("--from-json", type=Path, help="print the table of a saved run instead")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print(table(_drop_trivial(saved["ratios"]), args.policies))
+        return 0
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else None
     results, costs = {}, {}
     for name in args.traces:
