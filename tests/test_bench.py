@@ -146,6 +146,12 @@ def test_cost_model_prediction_per_strategy(result):
     for kind, seconds in expect.items():
         run, = runs_by(result, kind)
         assert predicted_ms(run, shape, hw) == pytest.approx(1e3 * (seconds + LAYERS * 1e-4))
+    # copy-every-pass takes the staging profile when one is given (copies into hot staging slots)
+    staging = Hardware("s", h2d_gbps=4, gpu_mem_gbps=2, cpu_mem_gbps=4, cpu_gflops=1e6,
+                       transfer_latency_s=0, layer_overhead_s=1e-4)
+    run, = runs_by(result, "copy-every-pass")
+    assert predicted_ms(run, shape, hw, staging) == pytest.approx(
+        1e3 * (n * (b / 4e9 + b / 2e9) + LAYERS * 1e-4))
     run = runs_by(result, "cache", 96, "lru")[0]
     tokens = run.steady.accesses / n
     h, m = run.steady.hits / tokens, run.steady.misses / tokens

@@ -15,8 +15,11 @@ from .phases import ms_per_token
 from .strategies import OPTIMUM
 
 
-def predicted_ms(run, shape, hw: Hardware | None) -> float | None:
-    """The cost model's steady ms per token for this run's strategy and steady counts."""
+def predicted_ms(run, shape, hw: Hardware | None, staging: Hardware | None = None) -> float | None:
+    """The cost model's steady ms per token for this run's strategy and steady counts.
+
+    ``staging`` (default ``hw``) is the profile for copy-every-pass, whose copies go to
+    the same few staging slots every step (see ``bench.calibrate``)."""
     if hw is None or run.skipped or not run.seconds:
         return None
     cost = ExpertCost(shape.expert_bytes)
@@ -25,7 +28,7 @@ def predicted_ms(run, shape, hw: Hardware | None) -> float | None:
     if kind == "resident":
         t = token_time(per_token, 0, cost, hw, layers=shape.layers, miss_path="fetch")
     elif kind == "copy-every-pass":
-        t = token_time(0, per_token, cost, hw, layers=shape.layers, miss_path="fetch")
+        t = token_time(0, per_token, cost, staging or hw, layers=shape.layers, miss_path="fetch")
     elif kind == "cpu":
         t = token_time(0, per_token, cost, hw, layers=shape.layers, miss_path="cpu")
     else:
@@ -44,7 +47,7 @@ def row(run, result) -> dict:
     n = len(run.seconds)
     ms = ms_per_token(run.seconds) if n else {"cold": None, "warm": None, "steady": None}
     d = run.decode
-    pred = predicted_ms(run, shape, result.hardware)
+    pred = predicted_ms(run, shape, result.hardware, result.staging)
     out = {"strategy": s.name, "policy": s.policy, "slots": _slots(run, shape),
            "accesses": d.accesses, "hits": d.hits, "misses": d.misses,
            "hit_rate": d.hit_rate if d.accesses else None,
@@ -85,7 +88,8 @@ def document(result, results_rows: list[dict]) -> dict:
             "machine": machine(result.device),
             "cost_model": None if hw is None else {k: getattr(hw, k) for k in (
                 "name", "h2d_gbps", "gpu_mem_gbps", "cpu_mem_gbps", "cpu_gflops",
-                "transfer_latency_s", "layer_overhead_s", "source")},
+                "transfer_latency_s", "layer_overhead_s", "source")} | {
+                "staging_h2d_gbps": result.staging.h2d_gbps if result.staging else None},
             "phases": "cold: decode tokens 0-15; warm: 16 to N/4-1; steady: N/4 to N-1",
             "results": results_rows, "notes": result.notes}
 

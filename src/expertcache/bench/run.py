@@ -33,6 +33,7 @@ class BenchResult:
     partition: str
     notes: list[str] = field(default_factory=list)
     clock: str = "wall"
+    staging: Hardware | None = None   # copy-every-pass's profile (copies into hot staging slots)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -63,7 +64,7 @@ def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, sc
     hosts = host_experts(shape, seed=seed, pin=dev.type == "cuda")
     inputs = Inputs(trace, shape.hidden, shape.torch_dtype, dev, seed)
     prepared = Prepared(trace)  # belady's future: a fresh Future per run (it is consumed as it replays)
-    hw = _hardware(hardware, module, hosts, dev, trace.top_k, progress, clock_fn)
+    hw, staging = _hardware(hardware, module, hosts, dev, trace.top_k, progress, clock_fn)
     runs, notes = [], []
     for strategy in strategies:
         progress(f"running {strategy.title} ...")
@@ -79,18 +80,20 @@ def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, sc
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return BenchResult(shape, trace, dev, runs, hw, partition, notes, clock_name)
+    return BenchResult(shape, trace, dev, runs, hw, partition, notes, clock_name, staging)
 
 
-def _hardware(hardware, module, hosts, dev, top_k, progress, clock) -> Hardware | None:
+def _hardware(hardware, module, hosts, dev, top_k, progress, clock):
+    """(profile, copy-every-pass profile): calibrated here, or one given profile for both."""
     if hardware is None or isinstance(hardware, Hardware):
-        return hardware
+        return hardware, hardware
     if hardware == "calibrate":
         from .calibrate import calibrate
         progress("calibrating the cost model on this device ...")
         return calibrate(module, hosts, dev, top_k, clock=clock)
     from ..sim.hardware import load_hardware
-    return load_hardware(hardware)
+    hw = load_hardware(hardware)
+    return hw, hw
 
 
 def _empty():
