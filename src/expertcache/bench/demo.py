@@ -4,7 +4,8 @@ On the built-in default trace (synthetic Qwen3-30B-A3B routing, 1000 tokens, 64 
 them prompt): first every chosen policy is replayed by the simulator on all 48
 layers (hit rates against Belady), then the first ``layers`` MoE layers run for real
 at ``scale`` of the model's expert size (default: full size, 4 layers) with the
-runtime's slot pool, baselines, the default policy and belady side by side. Everything it draws or writes goes to ``out``.
+runtime's slot pool, baselines, the default policy and belady side by side.
+Everything it draws or writes goes to ``out``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def bench_args(tokens: int, layers: int, scale: float, dtype: str, device: str,
     """The ``bench`` options the demo runs with (what ``expertcache bench`` would parse)."""
     return Namespace(trace=None, preset=None, tokens=tokens, layers=layers, scale=scale, dtype=dtype,
                      policy=None, slots=None, fraction=",".join(map(str, FRACTIONS)),
-                     partition="global", no_belady=False, baselines="resident,copy-every-pass,cpu", device=device,
+                     partition="global", no_belady=False, baselines="resident,copy-every-pass,cpu",
+                     device=device,
                      hardware="calibrate", threads=threads, seed=0, clock="auto")
 
 

@@ -84,7 +84,8 @@ def document(result, results_rows: list[dict]) -> dict:
             "num_experts": shape.experts, "expert_bytes": shape.expert_bytes,
             "tokens": sum(1 for p in trace.phases if p == 1), "device": str(result.device),
             "hidden": shape.hidden, "expert_ff": shape.expert_ff, "dtype": shape.dtype,
-            "partition": result.partition, "clock": result.clock, "trace": trace.meta.get("source", trace.meta.get("model")),
+            "partition": result.partition, "clock": result.clock,
+            "trace": trace.meta.get("source", trace.meta.get("model")),
             "machine": machine(result.device),
             "cost_model": None if hw is None else {k: getattr(hw, k) for k in (
                 "name", "h2d_gbps", "gpu_mem_gbps", "cpu_mem_gbps", "cpu_gflops",
@@ -97,7 +98,8 @@ def document(result, results_rows: list[dict]) -> dict:
 def machine(device) -> dict:
     """CPU model, cores, memory and (on CUDA) the GPU, for results files."""
     info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "l3_cache": _read("/sys/devices/system/cpu/cpu0/cache/index3/size")}
+            "python": platform.python_version(),
+            "l3_cache": _read("/sys/devices/system/cpu/cpu0/cache/index3/size")}
     try:
         import torch
         info["torch"] = torch.__version__
@@ -141,7 +143,8 @@ def verdict(rows: list[dict]) -> str:
     causal = [r for r in ran if r["policy"] != OPTIMUM]
     best = max(causal, key=lambda r: r["tok_s"])
     base = {r["strategy"]: r for r in ran if r["strategy"] in ("copy-every-pass", "cpu")}
-    words = [f"Fastest in steady state: {_name(best)} at {best['tok_s']:.1f} tok/s (MoE part)."]
+    words = [f"Fastest in steady state: {_name(best)} at {best['tok_s']:.1f} tok/s (MoE part)"
+             + (" - the upper bound, every expert in the pool." if best["strategy"] == "resident" else ".")]
     for name, r in base.items():
         if r is not best:
             words.append(f"{best['tok_s'] / r['tok_s']:.2f}x the speed of {name} ({r['tok_s']:.1f} tok/s).")

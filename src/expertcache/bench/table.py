@@ -16,7 +16,8 @@ def print_table(doc: dict, console=None) -> None:
                     f"{doc['num_experts']} experts, top-{doc['top_k']}, "
                     f"{doc['expert_bytes'] / 2**20:.2f} MiB/expert, {doc['tokens']} decode tokens, "
                     f"{doc['device']}", title_justify="left")
-    t.caption = (f"{doc.get('clock', 'wall')} clock; ms/token of the MoE part; cold: first 16 tokens, warm: to N/4, steady: the rest; "
+    t.caption = (f"{doc.get('clock', 'wall')} clock; ms/token of the MoE part; cold: first 16 tokens, "
+                 "warm: to N/4, steady: the rest; "
                  "pred: cost model (steady); other: time outside expert math and copies")
     for col in ("strategy", "slots", "hit rate", "cold", "warm", "steady", "tok/s", "pred",
                 "pred/meas", "H2D MiB/tok", "pool MiB", "other"):
