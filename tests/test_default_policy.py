@@ -72,6 +72,19 @@ def test_what_it_learns_by_hand():
     assert p._score[0][:3] == [1.0, 1.0, 0.0] and p._score[5][:3] == [1.0, 1.0, 0.0]
 
 
+def test_one_odd_short_gap_does_not_shrink_the_pass():
+    p = Eager(4)
+    p.on_insert(1, 0)
+    p.on_access(1, 48)                 # a pass is 48 steps (48 layers)
+    for i, key in enumerate((2, 3, 4)):  # three keys reused after 1 step: not yet believed
+        p.on_insert(key, 100 + 10 * i)
+        p.on_access(key, 101 + 10 * i)
+    assert p._period == 48
+    p.on_insert(5, 200)
+    p.on_access(5, 201)                # the fourth sighting: the pass really is 1 step
+    assert p._period == 1
+
+
 def test_same_step_seeding_is_not_evidence():
     p = Eager(4)
     p.on_insert(1, 0)

@@ -20,7 +20,9 @@ only the oldest unprotected key of each class is a candidate: a victim costs
 one look per class (ten), not a scan of the pool.
 
 The pass length is not given: it is the smallest step gap seen between two
-uses of one key, since a step visits one layer and a layer comes once a pass.
+uses of one key, since a step visits one layer and a layer comes once a pass
+(a shorter gap must recur a few times before it is believed, so one odd step
+order cannot shrink the clock).
 That makes ages comparable across layers in a global pool. Until a key has
 been reused the table is empty and the policy is plain LRU.
 """
@@ -38,6 +40,7 @@ from .registry import register
 _EDGES = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0)
 _NCLASS = len(_EDGES) + 1
 _GAPS = 64          # reuse gaps tracked one by one (passes); longer ones share one bucket
+_TRUST = 4          # sightings of a shorter gap before the pass length shrinks to it
 _MIN_OBS = 32       # a class with fewer reuses on record borrows the pooled score of all classes
 
 
@@ -61,6 +64,7 @@ class NextUse(EvictionPolicy):
                              f"(passes, i.e. tokens in decode), got {horizon!r}")
         self.window, self.horizon = float(window), int(horizon)
         self._period = 0      # steps per pass; 0 until some key is reused
+        self._shorter: dict[int, int] = {}   # gaps below the period -> times seen
         self._now = 0         # latest step seen (victim() is not told the clock)
         # key -> (step of its last use, decayed use count then, class then); kept after eviction
         self._info: dict[int, tuple[int, float, int]] = {}
@@ -80,7 +84,7 @@ class NextUse(EvictionPolicy):
             count = 1.0
         elif now > info[0]:
             steps, period = now - info[0], self._period
-            if period == 0 or steps < period:
+            if period == 0 or (steps < period and self._believe(steps)):
                 period = self._period = steps
             passes = steps / period
             gap = int(passes + 0.5)
@@ -94,6 +98,14 @@ class NextUse(EvictionPolicy):
         cls = bisect_right(_EDGES, count)
         self._info[key] = (now, count, cls)
         return cls
+
+    def _believe(self, steps: int) -> bool:
+        """A gap shorter than the pass length becomes the pass length on its _TRUST-th sighting."""
+        seen = self._shorter[steps] = self._shorter.get(steps, 0) + 1
+        if seen < _TRUST:
+            return False
+        self._shorter.clear()
+        return True
 
     def _rebuild(self) -> None:
         if self._seen % self.halve_every == 0:
