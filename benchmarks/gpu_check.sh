@@ -26,7 +26,7 @@ if [ "$DRY" != 1 ] && ! "$PY" -c "import torch; assert torch.cuda.is_available()
 fi
 export GPU_CHECK_DRY=$DRY
 
-timeout 150 "$PY" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
+timeout 150 "$PY" -m pytest -m gpu tests/test_gpu.py tests/test_bench_gpu.py -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
 echo $? > "$OUT/pytest.rc"
 
 timeout 150 "$PY" - "$OUT" <<'PYEOF' > "$OUT/run.txt" 2>&1

@@ -36,7 +36,7 @@ def trace():
 
 @pytest.fixture(scope="module")
 def result(trace):
-    strategies = plan(["lru", "fifo"], [48, 96])
+    strategies = plan(["lru", "fifo", "slru+second-hit"], [48, 96])  # admission: bypasses copy too
     return run_bench(trace, preset("qwen3-30b-a3b"), strategies, scale=SCALE, dtype="fp32",
                      device="cpu", hardware=None, threads=1)
 
