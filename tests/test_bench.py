@@ -93,6 +93,22 @@ def test_every_strategy_computes_the_same_outputs(result):
             assert torch.equal(run.outputs, ref.outputs), run.strategy.title
 
 
+def test_self_checks_pass_and_catch_a_wrong_figure(result):
+    from dataclasses import replace as dc_replace
+    from expertcache.bench.checks import run_checks, summary
+    checks = run_checks(result)
+    assert checks["ok"] and checks["reference"] == "resident", checks
+    assert set(checks["outputs_max_abs_diff"]) == {r.strategy.title for r in result.runs}
+    assert summary(checks).startswith("checks: H2D bytes add up")
+    bad = list(result.runs)
+    i = next(j for j, r in enumerate(bad) if r.strategy.kind == "cache")
+    bad[i] = dc_replace(bad[i], decode=dc_replace(bad[i].decode, hits=bad[i].decode.hits + 1),
+                        outputs=bad[i].outputs + 1.0)
+    broken = run_checks(dc_replace(result, runs=bad))
+    assert not broken["ok"] and len(broken["sim"]) == 1 and broken["outputs_mismatch"] == [bad[i].strategy.title]
+    assert summary(broken).startswith("CHECKS FAILED")
+
+
 def test_a_stale_slot_would_be_caught(trace):
     """Corrupt one cached expert's slot: the output check must see it."""
     shape = BenchShape.from_preset(preset("qwen3-30b-a3b"), LAYERS, SCALE, "fp32")
@@ -172,7 +188,9 @@ def test_cli_bench_writes_json_and_plot(tmp_path, capsys):
                      ("cache", 64), ("belady", 32), ("belady", 64)]
     assert all(r["predicted_ms_per_token"] > 0 for r in doc["results"])  # calibrated here
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert "Fastest in steady state" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "Fastest in steady state" in text and "checks: H2D bytes add up" in text
+    assert doc["checks"]["ok"] and doc["checks"]["sim"] == []
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -29,3 +29,4 @@ def test_demo_writes_plots_and_ends_with_a_verdict(tmp_path, capsys):
     assert f"{fastest['tok_s']:.1f} tok/s" in verdict.splitlines()[0]
     assert "the speed of copy-every-pass" in verdict or fastest["strategy"] == "copy-every-pass"
     assert "Simulator, 1536 slots: best policy" in text
+    assert "checks: H2D bytes add up" in text and bench["checks"]["ok"]

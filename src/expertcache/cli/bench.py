@@ -50,9 +50,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     doc = bench_from_args(args)
+    from ..bench.checks import summary
     from ..bench.report import verdict
     from ..bench.table import print_table
     print_table(doc)
+    print(summary(doc["checks"]))
     print(verdict(doc["results"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +64,7 @@ def run(args) -> int:
         from ..bench.plot import plot_tok_s
         plot_tok_s(doc["results"], args.plot, title=_title(doc))
         print(f"wrote {args.plot}")
-    return 0
+    return 0 if doc["checks"]["ok"] else 1  # a bench whose figures do not add up must not pass
 
 
 def bench_from_args(args) -> dict:
@@ -98,8 +100,10 @@ def run_and_document(trace, model, strategies, args) -> dict:
                        device=args.device, partition=args.partition, hardware=hardware,
                        seed=args.seed, threads=args.threads, clock=args.clock,
                        progress=lambda m: print(m, file=sys.stderr))
+    from ..bench.checks import run_checks
     doc = document(result, [row(r, result) for r in result.runs])
     doc["scale"] = args.scale
+    doc["checks"] = run_checks(result)
     return doc
 
 

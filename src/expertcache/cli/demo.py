@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from rich.console import Console
 
+    from ..bench.checks import summary
     from ..bench.demo import bench_args, sim_part, sim_summary
     from ..bench.plot import plot_tok_s
     from ..bench.report import verdict
@@ -55,6 +56,7 @@ def run(args) -> int:
     doc = bench_from_args(bench_args(args.tokens, args.layers, args.scale, args.dtype, args.device,
                                      args.threads))
     print_table(doc, console)
+    print(summary(doc["checks"]))
     (out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     plot_tok_s(doc["results"], out / "bench_tok_s.png", title=_title(doc))
     console.rule("Verdict")
@@ -62,4 +64,4 @@ def run(args) -> int:
     print(verdict(doc["results"]))
     print(f"Plots and JSON in {out}/: sim_hit_rate.png, bench_tok_s.png, sim.json, bench.json",
           file=sys.stdout)
-    return 0
+    return 0 if doc["checks"]["ok"] else 1
