@@ -177,12 +177,14 @@ def test_cost_model_prediction_per_strategy(result):
 
 def test_cli_bench_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
+    torch.set_num_threads(2)
     code = main(["bench", "--preset", "olmoe", "--layers", "2", "--tokens", "40", "--scale", "0.03",
                  "--dtype", "fp32", "--policy", "lru", "--slots", "32,64", "--device", "cpu",
                  "--threads", "1", "--json", str(out), "--plot", str(png)])
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["model"] == "olmoe" and doc["num_experts"] == 64 and doc["top_k"] == 8
+    assert doc["machine"]["torch_threads"] == 1 and torch.get_num_threads() == 2  # restored after
     kinds = [(r["strategy"], r["slots"]) for r in doc["results"]]
     assert kinds == [("resident", 128), ("copy-every-pass", 0), ("cpu", 0), ("cache", 32),
                      ("cache", 64), ("belady", 32), ("belady", 64)]

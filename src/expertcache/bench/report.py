@@ -86,7 +86,7 @@ def document(result, results_rows: list[dict]) -> dict:
             "hidden": shape.hidden, "expert_ff": shape.expert_ff, "dtype": shape.dtype,
             "partition": result.partition, "clock": result.clock,
             "trace": trace.meta.get("source", trace.meta.get("model")),
-            "machine": machine(result.device),
+            "machine": {**machine(result.device), "torch_threads": result.threads},
             "cost_model": None if hw is None else {k: getattr(hw, k) for k in (
                 "name", "h2d_gbps", "gpu_mem_gbps", "cpu_mem_gbps", "cpu_gflops",
                 "transfer_latency_s", "layer_overhead_s", "source")} | {

@@ -34,6 +34,7 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
     clock: str = "wall"
     staging: Hardware | None = None   # copy-every-pass's profile (copies into hot staging slots)
+    threads: int | None = None        # torch CPU threads the run used
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -51,10 +52,25 @@ def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, sc
               hardware: Hardware | str | None = "calibrate", seed: int = 0,
               threads: int | None = None, clock: str = "auto",
               progress: Callable[[str], None] = lambda _msg: None) -> BenchResult:
-    """Run ``strategies`` on ``trace`` with ``model``'s expert dims times ``scale``."""
+    """Run ``strategies`` on ``trace`` with ``model``'s expert dims times ``scale``.
+
+    ``threads`` sets torch's CPU threads for the run only (restored afterwards)."""
     dev = resolve_device(device)
-    if threads:
-        torch.set_num_threads(threads)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"--threads must be a whole number >= 1, got {threads!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        result = _run(trace, model, strategies, scale, dtype, dev, partition, hardware, seed, clock,
+                      progress)
+    finally:
+        torch.set_num_threads(before)
+    return result
+
+
+def _run(trace, model, strategies, scale, dtype, dev, partition, hardware, seed, clock,
+         progress) -> BenchResult:
+    threads = torch.get_num_threads()
     shape = BenchShape.from_preset(model, trace.num_layers, scale, dtype)
     clock_name, clock_fn = pick_clock(clock, dev)
     _check_host_memory(shape)
@@ -80,7 +96,7 @@ def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, sc
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return BenchResult(shape, trace, dev, runs, hw, partition, notes, clock_name, staging)
+    return BenchResult(shape, trace, dev, runs, hw, partition, notes, clock_name, staging, threads)
 
 
 def _hardware(hardware, module, hosts, dev, top_k, progress, clock):

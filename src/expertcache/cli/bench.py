@@ -93,8 +93,6 @@ def run_and_document(trace, model, strategies, args) -> dict:
     from ..bench.report import document, row
     from ..bench.run import run_bench
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     hardware = None if args.hardware == "none" else args.hardware
     result = run_bench(trace, model, strategies, scale=args.scale, dtype=args.dtype,
                        device=args.device, partition=args.partition, hardware=hardware,
