@@ -56,13 +56,13 @@ def test_offloaded_model_routes_like_the_plain_one(plain, ids):
     dict(slots=4, partition="per-layer", eviction="fifo"),
     dict(slots=5, eviction="slru", admission="second-hit", miss="cpu"),
     dict(slots=4, eviction="lfu", admission="window"),
-], ids=["lru", "fifo-per-layer", "slru-second-hit-cpu", "lfu-window"])
+], ids=["default", "fifo-per-layer", "slru-second-hit-cpu", "lfu-window"])
 def test_replay_equals_live_run(plain, ids, kwargs):
     live = offload(copy.deepcopy(plain), **kwargs)
     trace = record(live, ids, NEW)
     cache = live.expertcache
     table = SlotTable(trace.num_layers, trace.num_experts, cache.table.slots,
-                      eviction=kwargs.get("eviction", "lru"), admission=kwargs.get("admission", "always"),
+                      eviction=kwargs.get("eviction", "default"), admission=kwargs.get("admission", "always"),
                       partition=kwargs.get("partition", "global"), top_k=trace.top_k)
     replayed, observed = replay_live(trace, table).to_dict(), cache.stats().to_dict()
     for scope in ("prefill", "decode"):

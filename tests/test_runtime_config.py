@@ -36,7 +36,7 @@ def test_format_size():
 
 def test_config_defaults_and_baselines():
     cfg = CacheConfig(slots=8)
-    assert (cfg.eviction, cfg.admission, cfg.miss, cfg.partition) == ("lru", "always", "fetch", "global")
+    assert (cfg.eviction, cfg.admission, cfg.miss, cfg.partition) == ("default", "always", "fetch", "global")
     assert CacheConfig(baseline="cpu").effective().miss == "cpu"
     assert CacheConfig(baseline="cpu").effective().admission == "never"
     cep = CacheConfig(baseline="copy-every-pass", miss="cpu").effective()

@@ -33,7 +33,7 @@ class CacheConfig:
     slots: int | None = None
     gpu_memory: str | int | None = None
     partition: str = "global"
-    eviction: str = "lru"
+    eviction: str = "default"
     admission: str = "always"
     eviction_params: dict = field(default_factory=dict)
     admission_params: dict = field(default_factory=dict)

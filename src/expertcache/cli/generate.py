@@ -19,8 +19,9 @@ def add_parser(sub) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="experts the device pool caches (all layers)")
     size.add_argument("--gpu-memory", metavar="SIZE", help="device memory for the pool, e.g. 8GiB")
-    p.add_argument("--policy", default="lru", metavar="EVICTION[+ADMISSION]",
-                   help="e.g. lru, slru+second-hit (default lru)")
+    p.add_argument("--policy", default="default", metavar="EVICTION[+ADMISSION]",
+                   help="e.g. default, lru, slru+second-hit (default: the registry's "
+                        "'default' policy; see expertcache policies)")
     p.add_argument("--partition", default="global", choices=("global", "per-layer"))
     p.add_argument("--miss", default="fetch", choices=("fetch", "cpu", "auto"))
     p.add_argument("--baseline", choices=("resident", "copy-every-pass", "cpu"))

@@ -23,7 +23,7 @@ _UNSUPPORTED_QUANT = {"fp8": "FP8", "fbgemm_fp8": "FP8", "finegrained_fp8": "FP8
 
 
 def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | None = None,
-            eviction: str = "lru", admission: str = "always", partition: str = "global",
+            eviction: str = "default", admission: str = "always", partition: str = "global",
             miss: str = "fetch", baseline: str | None = None, device=None, dtype: str | None = None,
             staging: int | None = None, eviction_params: dict | None = None,
             admission_params: dict | None = None, imatrix=None, imatrix_mode: str = "pin",
