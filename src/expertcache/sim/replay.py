@@ -88,9 +88,19 @@ def resolve_policy(spec: str) -> PolicySpec:
     if eviction == "default" and "default" not in eviction_policies():
         eviction = "lru"
         label = label.replace("default", "default (lru)", 1)
-    eviction_class(eviction)
+    cls = eviction_class(eviction)
+    if eviction == "default":
+        label = label.replace("default", f"default ({_aliased(cls)})", 1)
     admission_class(admission)
     return PolicySpec(eviction, admission, label)
+
+
+def _aliased(cls) -> str:
+    """The registered policy an alias class stands for (it subclasses it), else its own name."""
+    for base in cls.__mro__[1:]:
+        if getattr(base, "name", "") not in ("", cls.name):
+            return base.name
+    return cls.name
 
 
 def slots_for_fraction(trace: Trace, fraction: float) -> int:
