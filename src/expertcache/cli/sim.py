@@ -155,14 +155,15 @@ def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None
     t.caption = f"x opt: misses / Belady's; tok/s: cost model on {hw_name}"
     for col in ("policy", "partition", "slots", "hit rate", "misses", "opt misses", "x opt",
                 "tok/s"):
-        t.add_column(col, justify="left" if col in ("policy", "partition") else "right")
+        t.add_column(col, justify="left" if col in ("policy", "partition") else "right",
+                     no_wrap=col == "policy")  # labels like 'default (next-use)' stay whole
     for row in table:
         opt = row["opt_misses"]
         ratio = f"{row['misses'] / opt:.2f}" if opt else "-"
         tok = f"{row['predicted_tok_s']:.1f}" if row["predicted_tok_s"] else "-"
         t.add_row(row["label"], row["partition"], str(row["slots"]), f"{row['hit_rate']:.4f}",
                   str(row["misses"]), str(opt), ratio, tok)
-    console = Console()
+    console = Console(width=max(Console().width, 100))
     console.print(t)
     if not has_cost:
         console.print("tok/s and bytes moved need the expert size: give --expert-bytes or --model")
