@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from ..sim.replay import replay
+from ..sim.replay import Prepared, replay
 from ..stats import DECODE
 
 
@@ -22,6 +22,7 @@ def run_checks(result) -> dict:
     per_token = shape.layers * shape.top_k * shape.expert_bytes
     runs = [r for r in result.runs if not r.skipped]
     bytes_bad, sim_bad = [], []
+    stepped = Prepared(trace, "token")  # the bench steps one token at a time
     for run in runs:
         s, n = run.strategy, len(run.seconds)
         want = {"copy-every-pass": n * per_token, "cpu": 0, "resident": 0}.get(
@@ -29,7 +30,7 @@ def run_checks(result) -> dict:
         if run.h2d_decode != want:
             bytes_bad.append(f"{s.title}: copied {run.h2d_decode} bytes, expected {want}")
         if s.kind in ("cache", "belady"):
-            sim = replay(trace, s.sim_policy, s.slots, result.partition).stats.total(DECODE)
+            sim = replay(stepped, s.sim_policy, s.slots, result.partition).stats.total(DECODE)
             if (sim.hits, sim.misses) != (run.decode.hits, run.decode.misses):
                 sim_bad.append(f"{s.title}: {run.decode.hits} hits / {run.decode.misses} misses, "
                                f"sim says {sim.hits} / {sim.misses}")

@@ -79,7 +79,9 @@ def _run(trace, model, strategies, scale, dtype, dev, partition, hardware, seed,
     module = experts_module(shape).to(dev)
     hosts = host_experts(shape, seed=seed, pin=dev.type == "cuda")
     inputs = Inputs(trace, shape.hidden, shape.torch_dtype, dev, seed)
-    prepared = Prepared(trace)  # belady's future: a fresh Future per run (it is consumed as it replays)
+    # belady's future, in the order the bench steps (one token at a time, recorded traces too);
+    # a fresh Future per run (it is consumed as it replays)
+    prepared = Prepared(trace, "token")
     hw, staging = _hardware(hardware, module, hosts, dev, trace.top_k, progress, clock_fn)
     runs, notes = [], []
     for strategy in strategies:
