@@ -148,15 +148,21 @@ class NextUse(EvictionPolicy):
         period, now = self._period or 1, self._now
         best, best_score, best_last = None, 2.0, 0
         for members, score in zip(self._classes, self._score):
-            for key, last in members.items():   # oldest first: the first unprotected one
-                if key in protected:
-                    continue
-                age = (now - last) // period
-                odds = score[age] if age < _GAPS else score[_GAPS]
-                # lowest reuse odds first; among equals, the least recently used
-                if odds < best_score or (odds == best_score and last < best_last):
-                    best, best_score, best_last = key, odds, last
-                break
+            if not members:
+                continue
+            # oldest first: the first unprotected one. A step's keys were just used, so they
+            # sit at the young end and the oldest key is nearly always the candidate.
+            for key in members:
+                if key not in protected:
+                    break
+            else:
+                continue
+            last = members[key]
+            age = (now - last) // period
+            odds = score[age] if age < _GAPS else score[_GAPS]
+            # lowest reuse odds first; among equals, the least recently used
+            if odds < best_score or (odds == best_score and last < best_last):
+                best, best_score, best_last = key, odds, last
         return best
 
 
