@@ -20,7 +20,7 @@ from expertcache.trace.record import live_steps, replay_live
 from expertcache.trace.steps import step_rows
 
 KERNELS = ["lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo", "lru+second-hit",
-           "fifo+window"]
+           "fifo+window", "next-use"]
 
 
 def batched_trace(rng: np.random.Generator, meta: str | None = "batched") -> Trace:

@@ -77,7 +77,7 @@ def test_kernels_equal_slot_table_on_real_trace_slices(name, partition):
         for one_pass in lru_all_sizes(prep, [slots], partition):
             assert same(replay(prep, "lru", slots, partition, engine="table"), one_pass)
         for policy in ("lru", "fifo", "belady", "lru+second-hit", "fifo+window", "slru", "arc",
-                       "lfu", "s3fifo"):
+                       "lfu", "s3fifo", "next-use", "default"):
             table = replay(prep, policy, slots, partition, engine="table")
             assert same(table, replay(prep, policy, slots, partition, engine="fast")), (policy, slots)
 
@@ -128,9 +128,46 @@ def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
     assert replay(prep, "belady+second-hit", slots).engine == "table"
     assert replay(prep, "s3fifo+second-hit", slots).engine == "table"
     assert replay(prep, "s3fifo", slots).engine == "s3fifo-kernel"
+    assert replay(prep, "default", slots).engine == "default-kernel"
+    assert replay(prep, "next-use+second-hit", slots).engine == "table"
     assert replay(prep, "slru+second-hit", slots).engine == "table"
     assert replay(prep, "lru", slots, seed=[0]).engine == "table"
     assert replay(prep, "lru", slots).engine == "lru-kernel"
     assert replay(prep, "fifo+window", slots).engine == "fifo-kernel"
     with pytest.raises(ValueError, match="no fast kernel"):
         replay(prep, "lfru", slots, engine="fast")
+
+
+# -- next-use (policies/next_use.py) ------------------------------------------
+# Short random traces never reach its first score rebuild (every 512 reuses) nor a
+# histogram halving (65536), so these runs shrink both: the learned scores, their
+# rebuilds and the halving are then exercised on every trace.
+@pytest.mark.parametrize("rebuild, halve", [(1, 4), (3, 6), (7, 1 << 16)])
+@pytest.mark.parametrize("partition", ["global", "per-layer"])
+def test_next_use_kernel_equals_slot_table_while_learning(rebuild, halve, partition, monkeypatch):
+    from expertcache.policies.next_use import NextUse
+    monkeypatch.setattr(NextUse, "rebuild_every", rebuild)
+    monkeypatch.setattr(NextUse, "halve_every", halve)
+    rng = np.random.default_rng([rebuild, halve, len(partition)])
+    unlike_lru = 0
+    for _ in range(20):
+        prep = Prepared(random_trace(rng))
+        for slots in sizes(prep.trace, partition):
+            for params in ({}, {"window": 2.0, "horizon": 1}):
+                table = replay(prep, "next-use", slots, partition, engine="table", eviction_params=params)
+                fast = replay(prep, "next-use", slots, partition, engine="fast", eviction_params=params)
+                assert fast.engine == "next-use-kernel"
+                assert same(table, fast), (rebuild, halve, params, slots, prep.trace.experts.tolist())
+                unlike_lru += fast.misses != replay(prep, "lru", slots, partition).misses
+    assert unlike_lru > 0  # the learned scores really chose other victims than LRU
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("partition", ["global", "per-layer"])
+def test_next_use_kernel_equals_slot_table_on_a_long_real_slice(partition):
+    # 1500 tokens: ~575k accesses, so the global pool also halves its histogram (every
+    # 65536 reuses) several times, as full-trace sweeps do.
+    prep = Prepared(load_trace(shared_trace("qwen3-30b-a3b-general.npz")).slice_tokens(1500))
+    for slots in (768, 1536):
+        table = replay(prep, "default", slots, partition, engine="table")
+        assert same(table, replay(prep, "default", slots, partition, engine="fast")), slots

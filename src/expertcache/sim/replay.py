@@ -8,8 +8,9 @@ union of the prompt tokens' experts, as the live run planned it
 (``trace.steps``); the kernels take such steps padded to the widest. ``belady`` is the exact
 optimum with forced admission: the table is handed a ``Future`` built from the
 same steps. The table is the runtime's own code, so simulated and live hit
-rates cannot drift apart; ``sim.fast``, ``sim.fast_lists`` and ``sim.fast_s3fifo``
-kernels are exact copies of it for lru, fifo, belady, slru, arc, lfu and s3fifo
+rates cannot drift apart; ``sim.fast``, ``sim.fast_lists``, ``sim.fast_s3fifo`` and
+``sim.fast_next_use`` kernels are exact copies of it for lru, fifo, belady, slru, arc,
+lfu, s3fifo and next-use (alias default)
 (tested equal) and are used when they apply.
 """
 
@@ -27,7 +28,7 @@ from ..policies.registry import eviction_policies, parse_spec
 from ..stats import Counts, Stats
 from ..trace.format import Trace
 
-FAST_POLICIES = ("lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo")
+FAST_POLICIES = ("lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo", "next-use", "default")
 # Admission policies the lru / fifo kernels reproduce, by kernel code (sim.fast.ADMIT_*).
 FAST_ADMISSIONS = {"always": 0, "second-hit": 1, "window": 2}
 ENGINES = ("auto", "table", "fast")
@@ -215,7 +216,7 @@ def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "g
     if engine == "fast" and not fast_ok:
         raise ValueError(f"no fast kernel for {spec.label!r} with these options; kernels cover "
                          "lru and fifo (admission always, second-hit or window), belady, slru, "
-                         "arc, lfu and s3fifo, without pinned or seeded keys (use engine 'table' or 'auto')")
+                         "arc, lfu, s3fifo and next-use, without pinned or seeded keys (use engine 'table' or 'auto')")
     if fast_ok and engine != "table":
         counts, name = fast_counts(prep, spec, slots, partition, eviction_params,
                                    admission_params)
@@ -236,6 +237,14 @@ def has_kernel(spec: PolicySpec) -> bool:
     """True if a numba kernel reproduces ``spec`` (with any parameter values)."""
     if spec.eviction in ("lru", "fifo"):
         return spec.admission in FAST_ADMISSIONS
+    if spec.eviction in ("next-use", "default"):
+        # the kernel mirrors NextUse itself: a plugin registered as 'default' is not it
+        from ..policies.next_use import NextUse
+        from ..policies.registry import eviction_class
+        cls = eviction_class(spec.eviction)
+        same = ("victim", "on_insert", "on_access", "on_remove", "_use")
+        if not (issubclass(cls, NextUse) and all(getattr(cls, f) is getattr(NextUse, f) for f in same)):
+            return False
     return spec.eviction in FAST_POLICIES and spec.admission == "always"
 
 
@@ -259,6 +268,10 @@ def fast_counts(prep: Prepared, spec: PolicySpec, slots: int, partition: str,
         return fast_lists.arc_replay(*args), name
     if spec.eviction == "lfu":
         return fast_lists.lfu_replay(*args, int(ev["decay"]) or 8 * cap), name
+    if spec.eviction in ("next-use", "default"):
+        from ..policies.registry import make_eviction
+        from .fast_next_use import next_use_replay
+        return next_use_replay(*args, make_eviction(spec.eviction, cap, **ev)), name
     if spec.eviction == "s3fifo":
         from ..policies.registry import make_eviction
         from .fast_s3fifo import s3fifo_replay
