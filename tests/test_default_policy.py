@@ -155,22 +155,26 @@ def test_beats_lru_on_a_synthetic_trace():
         assert ours < 0.95 * lru, (partition, ours, lru)
 
 
-# Misses over Belady's on the first 1000 tokens, measured (global 768, 1536, per-layer 768, 1536):
-# code 1.66 1.99 1.36 1.75 (avg 1.69; LRU 1.89), general 1.67 1.96 1.38 1.75 (avg 1.69; LRU 1.88).
-# Ours stays within 0.94 of LRU's misses in every configuration.
-BOUND = {"code": 1.76, "general": 1.76}
+# Misses over Belady's on the full traces, measured (global 768, 1536, per-layer 768, 1536):
+# code 1.629 1.882 1.316 1.629 (avg 1.614; LRU 1.93), general 1.657 1.971 1.362 1.715
+# (avg 1.676; LRU 1.91). Ours has at most 0.92x LRU's misses in every configuration.
+# The replays run on the numba kernel (sim/fast_next_use.py, tested equal to SlotTable
+# in test_sim_fast.py), ~1 s each.
+BOUND = {"code": 1.65, "general": 1.71}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BOUND))
 def test_ratio_to_belady_on_real_traces(name):
-    prep = Prepared(load_trace(shared_trace(f"qwen3-30b-a3b-{name}.npz")).slice_tokens(1000))
+    prep = Prepared(load_trace(shared_trace(f"qwen3-30b-a3b-{name}.npz")))
     ratios = []
     for partition in ("global", "per-layer"):
         for slots in (768, 1536):
             best = replay(prep, "belady", slots, partition).misses
             lru = replay(prep, "lru", slots, partition).misses
-            ours = replay(prep, "default", slots, partition).misses
-            assert ours < 0.96 * lru, (partition, slots, ours, lru)
+            result = replay(prep, "default", slots, partition)
+            assert result.engine == "default-kernel"
+            ours = result.misses
+            assert ours < 0.95 * lru, (partition, slots, ours, lru)
             ratios.append(ours / best)
     assert sum(ratios) / len(ratios) < BOUND[name], ratios
