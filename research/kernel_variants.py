@@ -1,5 +1,6 @@
 """Round two research copy of sim/fast_next_use.py with victim variants (mode 1: scan, layer-phase
-tie-break; mode 2: odds discounted by the wait for the key's layer). Not shipped.
+tie-break; mode 2: odds discounted by the wait for the key's layer; modes 3, 4: the same on
+each class's oldest age group only). Not shipped. Global pool, 768 and 1536 slots.
 
     .venv/bin/python research/kernel_variants.py code general
 """
@@ -73,7 +74,7 @@ def _replay(keys, phases, L, E, parts, cap, window, horizon, rebuild_every, halv
                 hit += 1
             else:
                 if used[p] == cap:
-                    victim = _victim(p, NC, head, nxt, stamp, s, last, score, period[p], now_p[p]) if mode == 0 else _scan(p, NC, head, nxt, stamp, s, last, score, period[p], now_p[p], mode)
+                    victim = _victim(p, NC, head, nxt, stamp, s, last, score, period[p], now_p[p]) if mode == 0 else (_scan(p, NC, head, nxt, stamp, s, last, score, period[p], now_p[p], mode) if mode < 3 else _group(p, NC, head, nxt, stamp, s, last, score, period[p], now_p[p], mode))
                     if victim < 0:
                         bypass += 1
                         continue
@@ -210,17 +211,50 @@ def _scan(p, NC, head, nxt, stamp, s, last, score, period, now, mode):
     return best
 
 
+@njit(cache=False)
+def _group(p, NC, head, nxt, stamp, s, last, score, period, now, mode):
+    """Mode 3 / 4: per class only the oldest key's age group (same odds), and in it the
+    newest unprotected key (its layer comes round last); ranked as mode 1 / mode 2."""
+    per = period if period > 0 else 1
+    best, b0, b1, b2 = -1, 2.0, 0.0, 0
+    for c in range(NC):
+        key = head[p * NC + c]
+        while key >= 0 and stamp[key] == s:
+            key = nxt[key]
+        if key < 0:
+            continue
+        age = (now - last[key]) // per
+        bound = now - age * per          # the group: last <= bound
+        pick = key
+        k = nxt[key]
+        while k >= 0 and last[k] <= bound:
+            if stamp[k] != s:
+                pick = k
+            k = nxt[k]
+        odds = score[p, c, age] if age < _GAPS else score[p, c, _GAPS]
+        d = (last[pick] - now) % per
+        if d == 0:
+            d = per
+        if mode == 4:
+            odds = odds * (1.0 - 0.3 * d / per)
+        r1 = -float(d)
+        if odds < b0 or (odds == b0 and (r1 < b1 or (r1 == b1 and last[pick] < b2))):
+            best, b0, b1, b2 = pick, odds, r1, last[pick]
+    return best
+
+
 if __name__ == "__main__":
     import sys
     from expertcache.policies.registry import make_eviction
     from expertcache.sim.replay import Prepared, replay
     from expertcache.trace import load_trace
+    MODES = (0, 1, 2, 3, 4)   # 3, 4: modes 1, 2 on each class's oldest age group only
     for name in sys.argv[1:]:
         prep = Prepared(load_trace(f"../shared/traces/qwen3-30b-a3b-{name}.npz"))
         for slots in (768, 1536):
             b = replay(prep, "belady", slots, "global").misses
             out = []
-            for mode in (0, 1, 2):
+            for mode in MODES:
                 c = next_use_replay(prep.keys, prep.phases, prep.L, prep.E, 1, slots,
                                     make_eviction("next-use", slots), mode)
                 out.append(int(c[:, :, 2].sum()) / b)
