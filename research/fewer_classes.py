@@ -15,5 +15,5 @@ configs = [(p, s) for p in ("global", "per-layer") for s in (768, 1536)]
 base = {c: replay(steps, L, E, k, c[1], c[0], "belady")[0] for c in configs}
 for label, edges in VARIANTS.items():
     nu._EDGES, nu._NCLASS = edges, len(edges) + 1
-    r = [replay(steps, L, E, k, c[1], c[0], "next-use")[0] / base[c] for c in configs]
+    r = [replay(steps, L, E, k, c[1], c[0], "next-use", ep={"window": 64.0, "horizon": 4})[0] / base[c] for c in configs]
     print(f"{label:14s}", " ".join(f"{x:.3f}" for x in r), f"avg {sum(r)/4:.3f}", flush=True)

@@ -50,7 +50,7 @@ if __name__ == "__main__":
     base = {c: replay(steps, L, E, k, c[1], c[0], "belady")[0] for c in configs}
     for arg in ["base"] + sys.argv[3:]:
         if arg == "base":
-            ev, ep = "next-use", {}
+            ev, ep = "next-use", {"window": 64.0, "horizon": 4}   # round one's setting
         else:
             look, _, mode = arg.partition("/")
             ev, ep = "next-use-phase", {"look": int(look), "mode": int(mode or 0)}

@@ -50,11 +50,13 @@ class NextUse(EvictionPolicy):
     description = ("learned next-use: evict the key least likely to be reused within `horizon` "
                    "passes (tokens), from online reuse-gap statistics by decayed use count "
                    "(over `window` passes) and age")
-    params = {"window": 64.0, "horizon": 4}
+    # tuned on the full code trace (window 16-128 x horizon 1-8, research/grid_kernel.py),
+    # checked on the general trace and the synthetic presets (docs/policies.md, Research)
+    params = {"window": 128.0, "horizon": 2}
     rebuild_every = 512    # recompute the score table after this many observed reuses (~0.1 ms)
     halve_every = 1 << 16  # then halve the histogram too, so it follows drift
 
-    def __init__(self, capacity: int, window: float = 64.0, horizon: int = 4) -> None:
+    def __init__(self, capacity: int, window: float = 128.0, horizon: int = 2) -> None:
         super().__init__(capacity)
         if window < 1:
             raise ValueError(f"parameter 'window' of policy {self.name!r} must be at least 1 "
@@ -169,5 +171,5 @@ class NextUse(EvictionPolicy):
 @register
 class Default(NextUse):
     name = "default"
-    description = ("default: currently next-use(window=64, horizon=4) with admission 'always' "
+    description = ("default: currently next-use(window=128, horizon=2) with admission 'always' "
                    "(see docs/policies.md, Research)")
