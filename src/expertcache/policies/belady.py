@@ -11,6 +11,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from .base import EvictionPolicy
+from .lazy_heap import lowest_live
 from .registry import register
 
 NEVER = 1 << 62  # "not used again": later than any step
@@ -58,8 +59,8 @@ class Belady(EvictionPolicy):
     def __init__(self, capacity: int, **params: object) -> None:
         super().__init__(capacity)
         self._future: Future | None = None
-        self._next: dict[int, int] = {}       # resident key -> its next use
-        self._heap: list[tuple[int, int]] = []  # (-next use, key); stale entries skipped
+        self._entry: dict[int, tuple[int, int]] = {}  # resident key -> its live (-next use, key)
+        self._heap: list[tuple[int, int]] = []          # min-heap of items; stale ones skipped
 
     def bind_future(self, future: object) -> None:
         if not hasattr(future, "next_use"):
@@ -70,35 +71,15 @@ class Belady(EvictionPolicy):
         if self._future is None:
             raise ValueError("policy 'belady' is an offline oracle: bind the future first "
                              "(it runs only in replays of a known trace: expertcache sim / bench)")
-        nxt = self._future.next_use(key, now)
-        self._next[key] = nxt
-        heapq.heappush(self._heap, (-nxt, key))
+        item = (-self._future.next_use(key, now), key)
+        self._entry[key] = item
+        heapq.heappush(self._heap, item)
 
     on_insert = _touch
     on_access = _touch
 
     def on_remove(self, key: int) -> None:
-        del self._next[key]
+        del self._entry[key]
 
     def victim(self, protected) -> int | None:
-        heap, nxt = self._heap, self._next
-        # Drop stale entries at the top (not a semantic change: they are garbage).
-        while heap and nxt.get(heap[0][1]) != -heap[0][0]:
-            heapq.heappop(heap)
-        if not heap:
-            return None
-        if heap[0][1] not in protected:
-            return heap[0][1]
-        # Rare: the farthest key is needed by this step; look deeper, put back.
-        held, found = [], None
-        while heap:
-            item = heapq.heappop(heap)
-            if nxt.get(item[1]) != -item[0]:
-                continue
-            held.append(item)
-            if item[1] not in protected:
-                found = item[1]
-                break
-        for item in held:
-            heapq.heappush(heap, item)
-        return found
+        return lowest_live(self._heap, self._entry, protected)

@@ -18,7 +18,7 @@ import heapq
 import math
 
 from .base import EvictionPolicy
-from .lfu import _first_unprotected
+from .lazy_heap import lowest_live
 from .registry import register
 
 
@@ -65,11 +65,4 @@ class LFRU(EvictionPolicy):
         del self._entry[key]
 
     def victim(self, protected) -> int | None:
-        heap, entry = self._heap, self._entry
-        while heap and entry.get(heap[0][2]) is not heap[0]:
-            heapq.heappop(heap)  # stale: garbage collection, not a change of answer
-        if not heap:
-            return None
-        if heap[0][2] not in protected:
-            return heap[0][2]
-        return _first_unprotected(heap, entry, protected)
+        return lowest_live(self._heap, self._entry, protected)

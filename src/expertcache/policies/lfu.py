@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 
 from .base import EvictionPolicy
+from .lazy_heap import lowest_live
 from .registry import register
 
 
@@ -62,28 +63,4 @@ class LFU(EvictionPolicy):
         return None if entry is None else entry[0]
 
     def victim(self, protected) -> int | None:
-        heap, entry = self._heap, self._entry
-        # Dropping stale tops is garbage collection, not a change of answer.
-        while heap and entry.get(heap[0][2]) != heap[0]:
-            heapq.heappop(heap)
-        if not heap:
-            return None
-        if heap[0][2] not in protected:
-            return heap[0][2]
-        return _first_unprotected(heap, entry, protected)
-
-
-def _first_unprotected(heap, entry, protected) -> int | None:
-    """Pop until a live unprotected entry shows, then push back what was popped."""
-    held, found = [], None
-    while heap:
-        item = heapq.heappop(heap)
-        if entry.get(item[2]) != item:
-            continue
-        held.append(item)
-        if item[2] not in protected:
-            found = item[2]
-            break
-    for item in held:
-        heapq.heappush(heap, item)
-    return found
+        return lowest_live(self._heap, self._entry, protected)
