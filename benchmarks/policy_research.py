@@ -9,6 +9,8 @@ misses / Belady misses, plus the average over the configurations. With
     .venv/bin/python benchmarks/policy_research.py                       # shared traces, all tokens
     .venv/bin/python benchmarks/policy_research.py --tokens 2000 --traces code
     .venv/bin/python benchmarks/policy_research.py --traces synth:qwen3-30b-a3b:4000 --json out.json
+    .venv/bin/python benchmarks/policy_research.py --from-json benchmarks/results/policy_research.json \
+        --plot docs/img/policies-vs-belady.png
 
 Traces: ``code``, ``general`` (../shared/traces/qwen3-30b-a3b-*.npz), ``phone``
 (the top-6 route CSV there), ``synth:PRESET:TOKENS`` (expertcache.trace.synth).
@@ -95,6 +97,42 @@ def table(results: dict, policies) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict, policies, path: Path, goal: float = 1.4, top: float = 3.0) -> Path:
+    """One panel per trace: misses / Belady's per configuration, a bar per policy.
+
+    Bars above ``top`` are cut there and labelled with their value, so that one outlier
+    (slru's frozen protected segment) does not flatten the rest."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results) + 1.5, 4), dpi=120,
+                             sharey=True, squeeze=False)
+    width = 0.8 / len(policies)
+    for ax, (name, rows) in zip(axes[0], results.items()):
+        configs = list(rows) + ["average"]
+        for i, pol in enumerate(policies):
+            vals = [rows[c][pol] for c in rows]
+            vals.append(sum(vals) / len(vals))
+            xs = [x + (i - len(policies) / 2 + 0.5) * width for x in range(len(configs))]
+            ax.bar(xs, [min(v, top) for v in vals], width, label=pol)
+            for x, v in zip(xs, vals):
+                if v > top:
+                    ax.text(x, top, f"{v:.1f}", ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="k", lw=1)
+        ax.axhline(goal, color="k", ls="--", lw=1)
+        ax.set_xticks(range(len(configs)), [c.replace(" ", "\n") for c in configs], fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.set_ylim(0.9, top + 0.15)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel(f"misses / Belady's (dashed: goal {goal}x)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _drop_trivial(results: dict) -> dict:
     """Rows where every policy equals Belady exactly (a partition of top-k slots) say nothing."""
     return {name: {cfg: row for cfg, row in rows.items()
@@ -110,11 +148,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timing", action="store_true", help="also measure microseconds per access")
     ap.add_argument("--json", type=Path, help="save figures here")
     ap.add_argument("--from-json", type=Path, help="print the table of a saved run instead")
+    ap.add_argument("--plot", type=Path, help="draw the ratios as bars to this PNG")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        print(table(_drop_trivial(saved["ratios"]), args.policies))
+        results = _drop_trivial(json.loads(args.from_json.read_text())["ratios"])
+        print(table(results, args.policies))
+        if args.plot:
+            print(f"plot: {plot(results, args.policies, args.plot)}")
         return 0
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else None
     results, costs = {}, {}
@@ -127,6 +168,8 @@ def main(argv=None) -> int:
     for name, cost in costs.items():
         print(f"\nµs per access through SlotTable ({name}, global 12.5%): "
               + ", ".join(f"{p} {us:.2f}" for p, us in cost.items()))
+    if args.plot:
+        print(f"plot: {plot(results, args.policies, args.plot)}")
     if args.json:
         args.json.write_text(json.dumps({"ratios": results, "us_per_access": costs,
                                          "tokens": args.tokens or "all",
