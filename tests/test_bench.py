@@ -1,6 +1,6 @@
 """The decode benchmark: byte accounting, equality with the simulator, identical outputs.
 
-A tiny Qwen3-shaped model (scale 0.03: hidden 61, expert FF 23, fp32) on the CPU keeps
+A tiny Qwen3-shaped model (scale 0.03: hidden 64, expert FF 16, fp32) on the CPU keeps
 every test to a second or two while running the real runtime code paths.
 """
 

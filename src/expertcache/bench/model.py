@@ -19,6 +19,19 @@ from ..runtime.host import HostExperts
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+ALIGN = 16  # elements: 64 bytes of fp32, a cache line
+
+
+def _aligned(size: float) -> int:
+    """A scaled size rounded to a multiple of 16 elements (at least 16).
+
+    Why: every preset's real sizes are multiples of 16, and CPU matmul kernels round
+    differently when rows or expert slots are not 64-byte aligned (seen on AMD EPYC:
+    the same expert in two slots gave different bits), which would break the bench's
+    check that every pool strategy computes bit for bit the same outputs."""
+    return max(ALIGN, round(size / ALIGN) * ALIGN)
+
+
 @dataclass(frozen=True)
 class BenchShape:
     """The expert shape actually run: the preset's dims times ``scale``, in ``dtype``."""
@@ -38,7 +51,7 @@ class BenchShape:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 4:
             raise ValueError(f"--scale must be a number in (0, 4] multiplying hidden and expert FF "
                              f"sizes (e.g. 0.125 or 1), got {scale!r}")
-        hidden, ff = max(8, round(shape.hidden * scale)), max(8, round(shape.expert_ff * scale))
+        hidden, ff = _aligned(shape.hidden * scale), _aligned(shape.expert_ff * scale)
         return cls(shape.name, layers, shape.experts, shape.top_k, hidden, ff, dtype)
 
     @property
