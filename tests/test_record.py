@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_moe import save_checkpoint, tiny_model  # noqa: E402
+from tiny_moe import FAMILIES, save_checkpoint, tiny_model  # noqa: E402
 
 from expertcache import SlotTable  # noqa: E402
 from expertcache.integrations.transformers import offload  # noqa: E402
@@ -81,6 +81,27 @@ def test_simulator_replays_a_decode_trace_exactly(plain):
     result = sim.replay(trace, "fifo", 3, "global")
     got, want = result.stats.total(), live.expertcache.stats().total()
     assert (got.hits, got.misses, got.loads, got.evictions) == (want.hits, want.misses, want.loads, want.evictions)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_logits_are_the_scores_the_model_chose_from(family, ids, tmp_path):
+    trace = record(tiny_model(family), ids, 4, router_logits=True)
+    L, T, _ = trace.experts.shape
+    assert trace.logits.shape == (L, T, trace.num_experts) and trace.logits.dtype == np.float16
+    assert np.abs(trace.logits).max() > 0.01  # real scores, not zeros
+    logits = trace.logits.astype(np.float32)
+    picked = np.zeros(logits.shape, bool)
+    np.put_along_axis(picked, trace.experts.astype(np.int64), True, axis=-1)
+    lowest_chosen = np.where(picked, logits, np.inf).min(-1)      # [L, T]
+    highest_other = np.where(picked, -np.inf, logits).max(-1)     # [L, T]
+    if family == "deepseek_v3":  # biased, group-limited choice: not always the top-k of the raw logits
+        assert (lowest_chosen >= highest_other).mean() > 0.2
+    else:  # softmax (or plain top-k) keeps the logits' order; >= because float16 may tie
+        assert (lowest_chosen >= highest_other).all()
+    back = load_trace(save_trace(trace, tmp_path / "t.npz"))
+    assert np.array_equal(back.logits, trace.logits)
+    assert np.array_equal(back.slice_tokens(3).logits, trace.logits[:, :3])
+    assert record(tiny_model(family), ids, 2).logits is None  # opt-in: 2 bytes per expert per token
 
 
 def test_record_rejects_bad_input(plain, ids):

@@ -187,6 +187,15 @@ def test_weights_not_finite(tmp_path):
     check(write(tmp_path, weights=w), "non-finite value at layer 1, token 0, rank 1")
 
 
+def test_bad_logits(tmp_path):
+    E = META["num_experts"]
+    check(write(tmp_path, logits=np.zeros((2, 3, 2), np.float16)),
+          f"'logits' has shape (2, 3, 2), expected (2, 3, {E}) [layers, tokens, num_experts]")
+    lg = np.zeros((2, 3, E), np.float32)
+    lg[0, 2, 1] = np.inf
+    check(write(tmp_path, logits=lg), "'logits' has a non-finite value at layer 0, token 2, expert 1")
+
+
 def test_bad_phase_shape(tmp_path):
     check(write(tmp_path, phase=np.zeros(4, np.uint8)), "'phase' has shape (4,), expected (3,)")
 

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--device", default=None, help="torch device to run on, e.g. cuda (default: where the model loads, the CPU)")
+    p.add_argument("--router-logits", action="store_true",
+                   help="also save every expert's raw router score per layer and token "
+                        "(float16 [layers, tokens, experts]) for policy research")
     p.add_argument("-o", "--output", required=True, metavar="trace.npz")
     p.set_defaults(func=_record)
 
@@ -90,7 +93,8 @@ def _info(args) -> int:
     phases = trace.phases
     summary = {**trace.summary(), "prompt_tokens": int((phases == 0).sum()),
                "generated_tokens": int((phases == 1).sum()),
-               "chance_lag1_reuse": trace.top_k / trace.num_experts}
+               "chance_lag1_reuse": trace.top_k / trace.num_experts,
+               "router_logits": trace.logits is not None}
     if args.json:
         doc = {"trace": summary, "layers": {k: [round(float(x), 4) for x in v] for k, v in stats.items()}}
         text = json.dumps(doc, indent=1)

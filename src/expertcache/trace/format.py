@@ -2,7 +2,9 @@
 
 Arrays: ``experts`` int16 ``[L, T, k]`` (required; experts each token selected
 at each MoE layer, router rank order), ``weights`` float16 ``[L, T, k]``
-(optional), ``phase`` uint8 ``[T]`` (optional; 0 prompt, 1 generation; absent
+(optional), ``logits`` float16 ``[L, T, E]`` (optional; the router's raw scores for
+every expert, before softmax or sigmoid, as ``trace record --router-logits`` saves
+them), ``phase`` uint8 ``[T]`` (optional; 0 prompt, 1 generation; absent
 means all generation), ``meta`` a JSON string with ``model``, ``num_experts``,
 ``top_k``, ``n_moe_layers`` and optionally ``expert_bytes`` and ``source``.
 """
@@ -30,6 +32,7 @@ class Trace:
     meta: dict = field(default_factory=dict)
     weights: np.ndarray | None = None   # float16 [L, T, k]
     phase: np.ndarray | None = None     # uint8 [T]: 0 prompt, 1 generation
+    logits: np.ndarray | None = None    # float16 [L, T, E]: router scores of every expert
 
     def __post_init__(self) -> None:
         validate(self)
@@ -71,7 +74,7 @@ class Trace:
         """The first ``stop`` tokens (for quick runs on long traces)."""
         cut = lambda a: None if a is None else a[:, :stop].copy()  # noqa: E731  [L, T, K]: cut T
         return Trace(self.experts[:, :stop].copy(), dict(self.meta), cut(self.weights),
-                     None if self.phase is None else self.phase[:stop].copy())
+                     None if self.phase is None else self.phase[:stop].copy(), cut(self.logits))
 
 
 def validate(trace: Trace, where: str = "trace") -> None:
@@ -109,15 +112,10 @@ def validate(trace: Trace, where: str = "trace") -> None:
     if eb is not None and (not isinstance(eb, int) or isinstance(eb, bool) or eb < 1):
         raise TraceError(f"{where}: meta['expert_bytes'] must be a positive integer or absent, got {eb!r}")
     if trace.weights is not None:
-        if trace.weights.shape != ex.shape:
-            raise TraceError(f"{where}: 'weights' has shape {trace.weights.shape}, expected {ex.shape} like 'experts'")
-        if not np.issubdtype(trace.weights.dtype, np.number):
-            raise TraceError(f"{where}: 'weights' must hold numbers, got dtype {trace.weights.dtype}")
-        trace.weights = trace.weights.astype(np.float16, copy=False)
-        if not np.isfinite(trace.weights).all():
-            bad = np.argwhere(~np.isfinite(trace.weights))[0]
-            raise TraceError(f"{where}: 'weights' has a non-finite value at layer {bad[0]}, token "
-                             f"{bad[1]}, rank {bad[2]} (or exceeds float16's range)")
+        trace.weights = _float16(trace.weights, "weights", ex.shape, "like 'experts'", "rank", where)
+    if trace.logits is not None:
+        trace.logits = _float16(trace.logits, "logits", (L, T, E), "[layers, tokens, num_experts]",
+                                "expert", where)
     if trace.phase is not None:
         ph = np.asarray(trace.phase)
         if ph.shape != (T,):
@@ -127,6 +125,20 @@ def validate(trace: Trace, where: str = "trace") -> None:
             raise TraceError(f"{where}: 'phase' must be 0 (prompt) or 1 (generation); token {t} "
                              f"has {ph[t].item()!r}")
         trace.phase = ph.astype(np.uint8, copy=False)
+
+
+def _float16(a: np.ndarray, name: str, shape: tuple, what: str, last: str, where: str) -> np.ndarray:
+    """``a`` as float16 after checking its shape and that every value is finite."""
+    if a.shape != shape:
+        raise TraceError(f"{where}: {name!r} has shape {a.shape}, expected {shape} {what}")
+    if not np.issubdtype(a.dtype, np.number):
+        raise TraceError(f"{where}: {name!r} must hold numbers, got dtype {a.dtype}")
+    a = a.astype(np.float16, copy=False)
+    if not np.isfinite(a).all():
+        bad = np.argwhere(~np.isfinite(a))[0]
+        raise TraceError(f"{where}: {name!r} has a non-finite value at layer {bad[0]}, token "
+                         f"{bad[1]}, {last} {bad[2]} (or exceeds float16's range)")
+    return a
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -183,6 +195,7 @@ def _build(arrays: dict, meta: dict, where: str) -> Trace:
     trace = Trace.__new__(Trace)
     trace.experts, trace.meta = arrays["experts"], meta
     trace.weights, trace.phase = arrays.get("weights"), arrays.get("phase")
+    trace.logits = arrays.get("logits")
     validate(trace, where)
     return trace
 
@@ -208,6 +221,8 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
         arrays["weights"] = trace.weights
     if trace.phase is not None:
         arrays["phase"] = trace.phase
+    if trace.logits is not None:
+        arrays["logits"] = trace.logits
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         np.savez_compressed(fh, **arrays)

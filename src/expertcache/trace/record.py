@@ -24,10 +24,14 @@ from ..stats import PREFILL, Stats
 from .format import Trace, save_trace
 
 
-def record(model, prompt_ids, max_new_tokens: int, **generate_kwargs) -> Trace:
+def record(model, prompt_ids, max_new_tokens: int, router_logits: bool = False,
+           **generate_kwargs) -> Trace:
     """Greedy-generate ``max_new_tokens`` after ``prompt_ids`` [1, P] and return the routing trace.
 
     Works on a plain model and on an offloaded one (then the cache counts the same run).
+    ``router_logits``: also keep every expert's raw router score (``Trace.logits``, float16
+    ``[L, T, E]``: 2 bytes per expert per layer per token), the data a policy that
+    predicts from the router's near misses would be studied on.
     """
     import torch
 
@@ -42,8 +46,10 @@ def record(model, prompt_ids, max_new_tokens: int, **generate_kwargs) -> Trace:
     routers = [_router_of(model, name) for name, _ in experts]
     index: list[list] = [[] for _ in routers]     # per layer: [T_forward, K] tensors
     weights: list[list] = [[] for _ in routers]
+    logits: list[list | None] = [[] if router_logits else None for _ in routers]
     phases: list[np.ndarray] = []
-    hooks = [r.register_forward_hook(_capture(index[i], weights[i])) for i, r in enumerate(routers)]
+    hooks = [r.register_forward_hook(_capture(index[i], weights[i], logits[i]))
+             for i, r in enumerate(routers)]
     hooks.append(model.register_forward_pre_hook(_phase_capture(phases), with_kwargs=True))
     try:
         with torch.no_grad():
@@ -54,7 +60,9 @@ def record(model, prompt_ids, max_new_tokens: int, **generate_kwargs) -> Trace:
             hook.remove()
     ex = np.stack([torch.cat(rows).cpu().numpy() for rows in index]).astype(np.int16)       # [L, T, K]
     wt = np.stack([torch.cat(rows).float().cpu().numpy() for rows in weights]).astype(np.float16)
-    return Trace(ex, _meta(model, experts, ex), wt, np.concatenate(phases).astype(np.uint8))
+    lg = (np.stack([torch.cat(rows).float().cpu().numpy() for rows in logits]).astype(np.float16)
+          if router_logits else None)                                                     # [L, T, E]
+    return Trace(ex, _meta(model, experts, ex), wt, np.concatenate(phases).astype(np.uint8), lg)
 
 
 def _router_of(model, experts_name: str):
@@ -67,11 +75,13 @@ def _router_of(model, experts_name: str):
                      "recording needs the router's output")
 
 
-def _capture(index_rows: list, weight_rows: list):
+def _capture(index_rows: list, weight_rows: list, logit_rows: list | None):
     def hook(module, args, out):
-        # every supported router returns (logits, top_k_weights, top_k_index), [T, K] each
+        # every supported router returns (logits [T, E], top_k_weights [T, K], top_k_index [T, K])
         weight_rows.append(out[1].detach())
         index_rows.append(out[2].detach())
+        if logit_rows is not None:
+            logit_rows.append(out[0].detach().reshape(out[2].shape[0], -1))
     return hook
 
 
@@ -133,7 +143,8 @@ def run_record(args) -> int:
     if device:
         model.to(device)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    trace = record(model, ids, int(args.max_new_tokens))
+    trace = record(model, ids, int(args.max_new_tokens),
+                   router_logits=bool(getattr(args, "router_logits", False)))
     out = save_trace(trace, _output(args))
     print(f"wrote {out}: {trace.num_layers} MoE layers x {trace.num_tokens} tokens "
           f"({int((trace.phases == PREFILL).sum())} prompt), top-{trace.top_k} of {trace.num_experts}")
