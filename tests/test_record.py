@@ -119,6 +119,9 @@ def test_run_record_cli_path(plain, tmp_path):
     assert run_record(args) == 0
     trace = load_trace(out)
     assert trace.experts.shape == (2, 5 + 3, 2) and trace.phases.tolist() == [0] * 5 + [1] * 3
+    assert trace.logits is None
+    args.router_logits = True  # --router-logits
+    assert run_record(args) == 0 and load_trace(out).logits.shape == (2, 5 + 3, 8)
     args.prompt_file = str(tmp_path / "p.txt")
     with pytest.raises(ValueError, match="exactly one"):
         run_record(args)
