@@ -72,7 +72,7 @@ class Trace:
 
     def slice_tokens(self, stop: int) -> Trace:
         """The first ``stop`` tokens (for quick runs on long traces)."""
-        cut = lambda a: None if a is None else a[:, :stop].copy()  # noqa: E731  [L, T, K]: cut T
+        cut = lambda a: None if a is None else a[:, :stop].copy()  # noqa: E731  [L, T, ...]: cut T
         return Trace(self.experts[:, :stop].copy(), dict(self.meta), cut(self.weights),
                      None if self.phase is None else self.phase[:stop].copy(), cut(self.logits))
 
