@@ -69,11 +69,11 @@ class Server:
         self.url = f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{port}"
         return sock
 
-    def warn_if_exposed(self, out=sys.stderr) -> None:
+    def warn_if_exposed(self) -> None:
         if not is_loopback(self.settings.host):
-            guard = "an API key is required" if self.settings.api_key else "NO API key is set (--api-key)"
+            guard = "an API key is required" if self.settings.api_key else "no API key is set: add --api-key"
             print(f"expertcache serve: warning: listening on {self.settings.host}, beyond this machine's "
-                  f"loopback; anyone who can reach it can use the model ({guard})", file=out)
+                  f"loopback; anyone who can reach it can use the model; {guard}", file=sys.stderr)
 
     def run(self) -> None:
         """Serve until interrupted (Ctrl-C)."""
