@@ -63,6 +63,10 @@ class Stats:
             total = total + self.layer(layer, phase)
         return total
 
+    def sums(self, phase: int | str) -> dict[str, int]:
+        """Totals of one phase over all layers, cheaply (per-forward snapshots use it)."""
+        return dict(zip(FIELDS, map(sum, zip(*self._raw[phase_code(phase)]))))
+
     def since(self, earlier: Stats) -> Stats:
         """The counts added after ``earlier`` (a snapshot of the same table)."""
         return Stats(_minus(self._raw, earlier._raw))

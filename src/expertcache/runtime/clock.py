@@ -61,5 +61,5 @@ class ForwardClock:
         cache = getattr(self.model, "expertcache", None)
         if cache is None:
             return (0, 0, 0)
-        decode = cache.table.stats().total(DECODE)
-        return decode.hits, decode.accesses, sum(cache.h2d[DECODE])
+        decode = cache.table.stats().sums(DECODE)
+        return decode["hits"], decode["accesses"], sum(cache.h2d[DECODE])
