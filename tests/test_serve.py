@@ -7,6 +7,7 @@ is always stopped. Greedy answers are compared with the uncached model's generat
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -185,3 +186,17 @@ def test_loopback_by_default_and_a_warning_beyond(tokenizer, capsys):
     assert "beyond this machine's loopback" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_tokens"):
         ServeSettings(NAME, max_tokens=0)
+
+
+def test_a_client_leaving_a_plain_request_cancels_it(server):
+    srv, _ = server
+    before = httpx.get(srv.url + "/v1/expertcache/stats").json()["completion_tokens"]
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 64, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):  # leaves after 0.02 s, long before 64 tokens (~0.2 s)
+        httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.02))
+    deadline = time.monotonic() + 30
+    while srv.service.worker.running is not None or srv.service.worker.jobs.qsize():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    made = httpx.get(srv.url + "/v1/expertcache/stats").json()["completion_tokens"] - before
+    assert made < 64  # 0 when it was cancelled before it started

@@ -103,10 +103,27 @@ async def _complete(service: Service, request: Request, chat: bool):
         return StreamingResponse(_stream(job, shape, req.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
-        gen = await job.result()
+        gen = await _result_unless_gone(request, job)
     finally:
-        job.cancelled.set()  # no-op once done; stops the work if this request was cancelled
+        job.cancelled.set()  # no-op once done; stops the work if the client left
     return JSONResponse(shape.full(gen))
+
+
+async def _result_unless_gone(request: Request, job: Job):
+    """The job's result, or cancel it when the client disconnects first (no one would read it)."""
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # the body was read already: the next message is the disconnect
+
+    waiter, watcher = asyncio.ensure_future(job.result()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if waiter.done():
+        return waiter.result()
+    waiter.cancel()
+    raise APIError(499, "the client closed the connection")  # nginx's code; nobody reads it
 
 
 async def _stream(job: Job, shape: Shape, include_usage: bool):
