@@ -55,29 +55,52 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
     if getattr(model, "expertcache", None) is not None:
         raise ValueError("this model is already offloaded (model.expertcache exists); load a fresh copy")
     found = find_experts(model)
-    if config.imatrix is not None:  # a bad file fails before the experts leave the model
-        from ..imatrix.apply import check_source
-        check_source(config.imatrix, len(found), found[0][1].num_experts)
+    counts = _imatrix_counts(config, found)  # a bad file fails before the experts leave the model
     if config.dtype is not None:
         model.to(_DTYPES[config.dtype])
     for name, module in found:
         check_layout(module, name)
-        if config.effective().miss != "fetch" and getattr(module, "has_post_expert_norm", False):
-            raise ValueError(f"{name}: experts with a post-expert norm support only miss='fetch'")
-    device = _device(config.device)
     hosts = [HostExperts.take(module, pin=torch.cuda.is_available()) for _, module in found]
+    return attach(model, found, hosts, config, counts)
+
+
+def attach(model: torch.nn.Module, found, hosts, config: CacheConfig, counts=None) -> torch.nn.Module:
+    """Build the cache over ``hosts`` (one per experts module in ``found``) and hook it in.
+
+    Shared by checkpoints (experts taken from the modules) and GGUF files (experts read
+    from the file): on any refusal the experts go back and the model is as it was.
+    """
+    miss = config.effective().miss
     try:
+        for name, module in found:
+            if miss != "fetch" and getattr(module, "has_post_expert_norm", False):
+                raise ValueError(f"{name}: experts with a post-expert norm support only miss='fetch'")
         _check_uniform(hosts, found)
-        cache = ExpertCache(config, hosts, _top_k(model, found), device)
+        cache = ExpertCache(config, hosts, _top_k(model, found), _device(config.device),
+                            _hardware(config), counts)
     except Exception:  # sizing refused: hand the experts back so the model is as it was
         for host, (_, module) in zip(hosts, found):
             host.restore(module)
         raise
-    model.to(device)  # the dense part; the experts modules no longer hold their weights
+    model.to(cache.device)  # the dense part; the experts modules no longer hold their weights
     for layer, (_, module) in enumerate(found):
         module._expertcache = (cache, layer)
     _attach(model, cache)
     return model
+
+
+def _imatrix_counts(config: CacheConfig, found):
+    """The imatrix counts, read and checked once (None without --imatrix)."""
+    if config.imatrix is None:
+        return None
+    from ..imatrix.apply import check_source
+    return check_source(config.imatrix, len(found), found[0][1].num_experts)
+
+
+def _hardware(config: CacheConfig):
+    """The cost model's rates for the 'auto' miss path (a preset or a probe profile)."""
+    from ..sim.hardware import DEFAULT, load_hardware
+    return load_hardware(config.hardware or DEFAULT)
 
 
 def _device(name: str | None) -> torch.device:
@@ -113,10 +136,12 @@ def find_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _check_uniform(hosts: list[HostExperts], found) -> None:
-    first = hosts[0].layout()
+    def layout(host):
+        return host.layout() if host.codec is None else host.codec
+    first = layout(hosts[0])
     for host, (name, _) in zip(hosts, found):
-        if host.layout() != first:
-            raise ValueError(f"{name}: expert shapes differ between MoE layers ({host.layout()} vs "
+        if layout(host) != first:
+            raise ValueError(f"{name}: expert shapes or types differ between MoE layers ({layout(host)} vs "
                              f"{first}); one slot pool needs identical experts in every layer")
 
 

@@ -81,7 +81,7 @@ def summarize(times: list[float], prompt_tokens: int, new_tokens: int, cache) ->
 
 def format_summary(summary: dict) -> str:
     """Human-readable lines for the terminal."""
-    from .sizes import format_size
+    from ..sizes import format_size
 
     def rate(part):
         value = summary[part]["tok_s"]
