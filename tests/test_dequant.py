@@ -195,3 +195,110 @@ def test_write_tensor_round_trips_through_gguf_file(tmp_path):
     assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K
     assert list(tensor.shape) == [256, 3, 2]  # ggml lists dimensions innermost first
     assert np.array_equal(np.asarray(tensor.data).reshape(-1), blocks.reshape(-1))
+
+
+# --- HF-native layouts -----------------------------------------------------------------------
+
+def _mxfp4_checkpoint(experts=3, rows=6, groups=4, seed=0):
+    """Random GPT-OSS-style blocks [E, R, G, 16] and scales [E, R, G], with the E8M0 extremes."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 141, (experts, rows, groups), dtype=torch.uint8, generator=g)
+    scales[0, 0] = torch.tensor([0, 1, 254, 255], dtype=torch.uint8)[:groups]
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mxfp4_hf_equals_convert_moe_packed_tensors(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from expertcache.quant.hf import mxfp4_hf
+
+    blocks, scales = _mxfp4_checkpoint()
+    want = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, C, R]: transposed
+    got = mxfp4_hf(blocks, scales, dtype)
+    assert got.shape == (3, 6, 128) and got.dtype == dtype
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.transpose(1, 2).contiguous().view(bits), want.contiguous().view(bits))
+    # one expert [R, G, 16] gives that expert's slice
+    assert torch.equal(mxfp4_hf(blocks[2], scales[2], dtype), got[2])
+
+
+def test_mxfp4_hf_nibble_order_differs_from_ggml():
+    from expertcache.quant.hf import mxfp4_hf
+
+    blocks = torch.zeros(1, 1, 16, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x72  # HF: element 0 <- 1.0, element 1 <- 6.0 (ggml: elements 0 and 16)
+    out = mxfp4_hf(blocks, torch.full((1, 1), 127, dtype=torch.uint8), torch.float32)
+    assert out[0, :2].tolist() == [1.0, 6.0] and out[0, 2:].abs().sum().item() == 0
+    # the same bytes read as a ggml block put 6.0 at element 16
+    ggml = dequantize(torch.cat([torch.tensor([127], dtype=torch.uint8), blocks.reshape(-1)]),
+                      "MXFP4", (32,))
+    assert ggml[0].item() == 1.0 and ggml[16].item() == 6.0 and ggml[1].item() == 0.0
+
+
+def test_mxfp4_hf_rejects_bad_input():
+    from expertcache.quant.hf import mxfp4_hf
+
+    blocks, scales = _mxfp4_checkpoint()
+    with pytest.raises(ValueError, match="uint8"):
+        mxfp4_hf(blocks.to(torch.int16), scales)
+    with pytest.raises(ValueError, match=r"scales \[\.\.\., R, C/32\]"):
+        mxfp4_hf(blocks, scales[..., :3])
+
+
+def _fp8(shape, grid, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(shape, generator=g) * 200).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(grid, generator=g) * 1e-2 + 1e-4
+    return weight, scale_inv
+
+
+@pytest.mark.parametrize("shape,block", [((2, 300, 200), (128, 128)), ((3, 64, 96), (32, 64)),
+                                         ((5, 7), (4, 4))])
+def test_fp8_block_equals_transformers_on_ragged_shapes(shape, block):
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from expertcache.quant.hf import fp8_block
+
+    rows, cols = shape[-2:]
+    grid = (*shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
+    weight, scale_inv = _fp8(shape, grid)
+    want = _dequantize_fp8_weight(weight, scale_inv, list(block), torch.float32)
+    got = fp8_block(weight, scale_inv, block, torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    # an edge tile really uses its own scale: the last element is weight * the last scale
+    last = weight[..., -1, -1].float() * scale_inv[..., -1, -1]
+    assert torch.equal(got[..., -1, -1], last)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block_equals_transformers_loader(dtype):
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from expertcache.quant.hf import fp8_block
+
+    weight, scale_inv = _fp8((2, 256, 384), (2, 2, 3))
+    want = Fp8Dequantize(None)._dequantize_one(weight, scale_inv, output_dtype=dtype)
+    got = fp8_block(weight, scale_inv, (128, 128), dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_fp8_block_rejects_bad_input():
+    from expertcache.quant.hf import fp8_block
+
+    weight, scale_inv = _fp8((2, 300, 200), (2, 3, 2))
+    with pytest.raises(ValueError, match=r"needs weight_scale_inv \(2, 3, 2\), got \(2, 2, 2\)"):
+        fp8_block(weight, scale_inv[:, :2], (128, 128))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_block(weight.float(), scale_inv)
+
+
+def test_transformers_hf_helpers_we_compare_with():
+    # pinned: if these move, the equality tests above lose their reference
+    from transformers.integrations import finegrained_fp8, mxfp4
+
+    assert list(inspect.signature(mxfp4.convert_moe_packed_tensors).parameters)[:3] == [
+        "blocks", "scales", "dtype"]
+    assert list(inspect.signature(finegrained_fp8._dequantize_fp8_weight).parameters) == [
+        "weight", "weight_scale_inv", "block_size", "dtype"]
