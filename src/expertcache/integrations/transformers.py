@@ -27,13 +27,18 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
             miss: str = "fetch", baseline: str | None = None, device=None, dtype: str | None = None,
             staging: int | None = None, eviction_params: dict | None = None,
             admission_params: dict | None = None, imatrix=None, imatrix_mode: str = "pin",
+            slot_format: str = "auto", host_memory: str = "auto", hardware: str | None = None,
             config: CacheConfig | None = None):
     """Keep ``model_or_path``'s experts in host memory behind a device slot pool; returns the model.
 
-    ``model_or_path``: a loaded transformers MoE model (changed in place) or a local
-    checkpoint directory. ``config`` replaces the keyword settings when given.
+    ``model_or_path``: a loaded transformers MoE model (changed in place), a local
+    checkpoint directory, or a GGUF file (``model.gguf`` or the first part of a split
+    one; its experts stay quantized: docs/quantized.md). ``config`` replaces the keyword settings when given.
     ``imatrix`` (path to an imatrix .gguf, trace or counts file) places its hot experts before
     the first forward: ``imatrix_mode`` 'pin' keeps them, 'seed' lets them be evicted.
+    ``slot_format`` ('auto', 'quantized', 'dequantized') and ``host_memory`` ('auto', 'copy',
+    'mmap') apply to quantized experts; ``hardware`` (a preset or probe profile) feeds the cost
+    model of ``miss='auto'``.
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """
     if config is None:
@@ -41,7 +46,12 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
                              partition=partition, miss=miss, baseline=baseline, staging=staging,
                              device=None if device is None else str(device), dtype=dtype,
                              eviction_params=eviction_params or {}, admission_params=admission_params or {},
-                             imatrix=None if imatrix is None else str(imatrix), imatrix_mode=imatrix_mode)
+                             imatrix=None if imatrix is None else str(imatrix), imatrix_mode=imatrix_mode,
+                             slot_format=slot_format, host_memory=host_memory, hardware=hardware)
+    if isinstance(model_or_path, (str, Path)):
+        from ..ggufmodel.load import is_gguf
+        if is_gguf(Path(model_or_path)):
+            return _offload_gguf(Path(model_or_path), config)
     model = load_checkpoint(model_or_path, config.dtype) if isinstance(model_or_path, (str, Path)) \
         else model_or_path
     if not isinstance(model, torch.nn.Module):
@@ -62,6 +72,14 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
         check_layout(module, name)
     hosts = [HostExperts.take(module, pin=torch.cuda.is_available()) for _, module in found]
     return attach(model, found, hosts, config, counts)
+
+
+def _offload_gguf(path: Path, config: CacheConfig) -> torch.nn.Module:
+    """A GGUF file: the dense part loaded, the experts kept quantized in the host tier."""
+    from ..ggufmodel.load import load_gguf
+
+    model, found, hosts, _ = load_gguf(path, config, _device(config.device))
+    return attach(model, found, hosts, config, _imatrix_counts(config, found))
 
 
 def attach(model: torch.nn.Module, found, hosts, config: CacheConfig, counts=None) -> torch.nn.Module:
@@ -215,9 +233,12 @@ def _check_weight_files(path: Path) -> None:
 
 
 def load_tokenizer(path: str | Path):
-    """The tokenizer saved next to a local checkpoint (nothing is downloaded)."""
+    """The tokenizer saved next to a local checkpoint, or in a GGUF file (nothing is downloaded)."""
     from transformers import AutoTokenizer
 
+    from ..ggufmodel.load import is_gguf, load_gguf_tokenizer
+    if is_gguf(Path(path)):
+        return load_gguf_tokenizer(Path(path))
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
