@@ -185,8 +185,8 @@ def test_transformers_internals_we_rely_on():
 
 
 class _HostTensors(TorchDispatchMode):
-    """Counts tensors built from Python data (torch.tensor -> aten.lift_fresh): on CUDA each is a
-    pageable host-to-device copy that waits for the stream, a sync per step on the runtime's path."""
+    """Counts tensors built from Python data (torch.tensor -> aten.lift_fresh): on CUDA each is
+    a pageable host-to-device copy that waits for the stream, a sync per step for the runtime."""
 
     def __init__(self):
         super().__init__()
