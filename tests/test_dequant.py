@@ -282,6 +282,19 @@ def test_mxfp4_hf_nibble_order_differs_from_ggml():
     assert ggml[0].item() == 1.0 and ggml[16].item() == 6.0 and ggml[1].item() == 0.0
 
 
+def test_mxfp4_hf_and_ggml_agree_after_repacking_nibbles():
+    # the same weights in both layouts (as a GGUF converter writes GPT-OSS) dequantize equally
+    from expertcache.quant.hf import mxfp4_hf
+
+    blocks, scales = _mxfp4_checkpoint(experts=1, rows=5, groups=3)
+    blocks, scales = blocks[0], scales[0].clamp(110, 140)  # [R, G, 16], [R, G]
+    nibbles = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).reshape(5, 3, 32)  # HF order
+    ggml = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # ggml: element j low, j + 16 high
+    ggml_bytes = torch.cat([scales.unsqueeze(-1), ggml], dim=-1)  # [R, G, 17]
+    want = mxfp4_hf(blocks, scales, torch.float32)
+    assert torch.equal(dequantize(ggml_bytes, "MXFP4", (5, 96)), want)
+
+
 def test_mxfp4_hf_rejects_bad_input():
     from expertcache.quant.hf import mxfp4_hf
 
