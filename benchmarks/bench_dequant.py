@@ -9,61 +9,62 @@ single-threaded here.
         [--types Q4_K,MXFP4] [--json benchmarks/results/dequant_cpu.json]
 
 Recorded run (benchmarks/results/dequant_cpu.json): `--threads 1`, AMD EPYC, 2 cores shared with
-other jobs (load ~3), torch 2.13.0+cpu, numpy 2.4.6. Consecutive runs on that machine differ by up
-to 2x for a row, so read the table as ratios of magnitude, not to a digit. "view": the output is
-the input bytes reinterpreted, nothing is computed. The GPU is where this code is meant to run;
-on one CPU thread it is 1.5-3.5x numpy for the legacy and K types and about numpy's speed for the
-grid IQ types (IQ2_*, IQ3_*: a gather per 8 values).
+other jobs (load 2.4-2.7), torch 2.13.0+cpu, numpy 2.4.6. Consecutive runs on that machine differ
+by up to 2x for a row, so read magnitudes, not digits. "view": the output is the input bytes
+reinterpreted, nothing is computed. This code is meant for the GPU; on one CPU thread it is
+1.5-4x numpy for the legacy, K, IQ4, IQ1 and MXFP4 types, and no faster than numpy for the grid
+types IQ2_* and IQ3_* (transformers' code: a gather of 8-value grid rows plus sign tables).
+One Qwen3-30B-A3B Q4_K expert (three such matrices) takes ~9 ms here on one thread.
 
     M elements/s (best of 5, CPU time); KiB = quantized bytes of the matrix
     type          shape    KiB  torch f32 torch bf16   gguf-py f32/gguf
     -------------------------------------------------------------------
-    F32        768x2048   6144       view       4398   1217387        -
-    F32        2048x768   6144       view       7123   1180829        -
-    F16        768x2048   3072      13663       1368       735    18.6x
-    F16        2048x768   3072      10674        840       484    22.1x
-    BF16       768x2048   3072       6810       view      1160     5.9x
-    BF16       2048x768   3072       6964       view       735     9.5x
-    Q4_0       768x2048    864        496        434       340     1.5x
-    Q4_0       2048x768    864        471        449       256     1.8x
-    Q4_1       768x2048    960        516        460       307     1.7x
-    Q4_1       2048x768    960        496        480       258     1.9x
-    Q5_0       768x2048   1056        362        278       258     1.4x
-    Q5_0       2048x768   1056        313        286       152     2.1x
-    Q5_1       768x2048   1152        263        263       184     1.4x
-    Q5_1       2048x768   1152        277        264       154     1.8x
-    Q8_0       768x2048   1632       2440       1822       755     3.2x
-    Q8_0       2048x768   1632       2328       1703       726     3.2x
-    Q2_K       768x2048    504        528        474       289     1.8x
-    Q2_K       2048x768    504        553        490       283     2.0x
-    Q3_K       768x2048    660        340        342       193     1.8x
-    Q3_K       2048x768    660        358        337       127     2.8x
-    Q4_K       768x2048    864        545        493       230     2.4x
-    Q4_K       2048x768    864        458        392       130     3.5x
-    Q5_K       768x2048   1056        318        319       172     1.8x
-    Q5_K       2048x768   1056        305        306        99     3.1x
-    Q6_K       768x2048   1260        466        420       243     1.9x
-    Q6_K       2048x768   1260        500        423       171     2.9x
-    IQ1_S      768x2048    300        300        289        99     3.0x
-    IQ1_S      2048x768    300        302        289        78     3.9x
-    IQ1_M      768x2048    336        232        226        75     3.1x
-    IQ1_M      2048x768    336        301        307        86     3.5x
-    IQ2_XXS    768x2048    396         48         54        86     0.6x
-    IQ2_XXS    2048x768    396         64         68        74     0.9x
-    IQ2_XS     768x2048    444         64         65        84     0.8x
-    IQ2_XS     2048x768    444         47         51        59     0.8x
-    IQ2_S      768x2048    492         65         66        86     0.8x
-    IQ2_S      2048x768    492         59         66        71     0.8x
-    IQ3_XXS    768x2048    588         59         63        79     0.7x
-    IQ3_XXS    2048x768    588         64         62        66     1.0x
-    IQ3_S      768x2048    660         60         63        79     0.8x
-    IQ3_S      2048x768    660         49         62        71     0.7x
-    IQ4_NL     768x2048    864        331        320       178     1.9x
-    IQ4_NL     2048x768    864        327        322       164     2.0x
-    IQ4_XS     768x2048    816        287        276       159     1.8x
-    IQ4_XS     2048x768    816        282        286       124     2.3x
-    MXFP4      768x2048    816        395        371       179     2.2x
-    MXFP4      2048x768    816        391        377       155     2.5x
+    F32        768x2048   6144       view       3141   1075830        -
+    F32        2048x768   6144       view       7403   1097602        -
+    F16        768x2048   3072      11603       1396       515    22.5x
+    F16        2048x768   3072      10807       1185       644    16.8x
+    BF16       768x2048   3072      13513       view      1457     9.3x
+    BF16       2048x768   3072      14226       view      1562     9.1x
+    Q4_0       768x2048    864        749        594       462     1.6x
+    Q4_0       2048x768    864       1290       1183       297     4.3x
+    Q4_1       768x2048    960        781        852       310     2.5x
+    Q4_1       2048x768    960        668        960       217     3.1x
+    Q5_0       768x2048   1056        393        294       356     1.1x
+    Q5_0       2048x768   1056        520        358       217     2.4x
+    Q5_1       768x2048   1152        442        297       289     1.5x
+    Q5_1       2048x768   1152        289        271       158     1.8x
+    Q8_0       768x2048   1632       2414       2021       769     3.1x
+    Q8_0       2048x768   1632       3924       2089       678     5.8x
+    Q2_K       768x2048    504        834        758       450     1.9x
+    Q2_K       2048x768    504        542        714       197     2.7x
+    Q3_K       768x2048    660        484        452       303     1.6x
+    Q3_K       2048x768    660        332        324       123     2.7x
+    Q4_K       768x2048    864        517        462       261     2.0x
+    Q4_K       2048x768    864        522        422       134     3.9x
+    Q5_K       768x2048   1056        353        335       191     1.8x
+    Q5_K       2048x768   1056        313        296       109     2.9x
+    Q6_K       768x2048   1260        435        638       257     1.7x
+    Q6_K       2048x768   1260        643        666       252     2.5x
+    IQ1_S      768x2048    300        348        376       131     2.7x
+    IQ1_S      2048x768    300        415        442        89     4.7x
+    IQ1_M      768x2048    336        327        279       112     2.9x
+    IQ1_M      2048x768    336        258        310       103     2.5x
+    IQ2_XXS    768x2048    396         69         67        58     1.2x
+    IQ2_XXS    2048x768    396         53         56        60     0.9x
+    IQ2_XS     768x2048    444         62         64        77     0.8x
+    IQ2_XS     2048x768    444         63         54        67     0.9x
+    IQ2_S      768x2048    492         57         51        75     0.8x
+    IQ2_S      2048x768    492         44         48        64     0.7x
+    IQ3_XXS    768x2048    588         46         57        53     0.9x
+    IQ3_XXS    2048x768    588         47         51        57     0.8x
+    IQ3_S      768x2048    660         47         45        58     0.8x
+    IQ3_S      2048x768    660         51         48        60     0.8x
+    IQ4_NL     768x2048    864        396        338       163     2.4x
+    IQ4_NL     2048x768    864        377        299       167     2.3x
+    IQ4_XS     768x2048    816        299        192       121     2.5x
+    IQ4_XS     2048x768    816        286        288        81     3.6x
+    MXFP4      768x2048    816        325        369       135     2.4x
+    MXFP4      2048x768    816        388        219       149     2.6x
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def measure(name: str, shape: tuple[int, int], repeat: int, rng: np.random.Gener
     data = torch.from_numpy(blocks)
     qtype = GGMLQuantizationType(fmt.ggml_type)
     elements = shape[0] * shape[1]
+    bf16 = torch.bfloat16
     seconds = {
         "torch_f32": best_cpu_seconds(lambda: dequantize(data, fmt, shape), repeat),
-        "torch_bf16": best_cpu_seconds(lambda: dequantize(data, fmt, shape, torch.bfloat16), repeat),
+        "torch_bf16": best_cpu_seconds(lambda: dequantize(data, fmt, shape, bf16), repeat),
         "gguf_numpy": best_cpu_seconds(lambda: gguf_dequantize(blocks, qtype), repeat),
     }
     row = {"type": name, "shape": list(shape), "bytes": fmt.nbytes(shape),

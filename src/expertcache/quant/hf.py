@@ -74,8 +74,10 @@ def fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     b0, b1 = block
     full, rem = divmod(cols, b1)
     out = weight.to(torch.float32)  # a fresh tensor: the products below happen in place in it
-    # scales expanded over rows only (R, not R x C, floats), broadcast over columns by a view
-    scale = scale_inv.to(torch.float32).repeat_interleave(b0, dim=-2)[..., :rows, :]  # [..., R, nC]
+    # scales expanded over rows only (R, not R x C, floats), broadcast over columns by a view;
+    # expand + flatten is repeat_interleave with the output size known on the host (no sync)
+    scale = scale_inv.to(torch.float32).unsqueeze(-2)  # [..., nR, 1, nC]
+    scale = scale.expand(*scale.shape[:-2], b0, scale.shape[-1]).flatten(-3, -2)[..., :rows, :]
     out[..., :full * b1].unflatten(-1, (full, b1)).mul_(scale[..., :full, None])
     if rem:
         out[..., full * b1:].mul_(scale[..., full:])
