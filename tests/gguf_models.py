@@ -35,7 +35,7 @@ def tokenizer_lists() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def tiny_config(family: str, vocab: int, layers: int = LAYERS):
+def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EXPERTS):
     import transformers as tf
 
     common = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -44,20 +44,21 @@ def tiny_config(family: str, vocab: int, layers: int = LAYERS):
                   bos_token_id=vocab - 2, eos_token_id=vocab - 2)
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, intermediate_size=768, moe_intermediate_size=EXPERT_FF,
-                                 num_experts=EXPERTS, decoder_sparse_step=1, head_dim=64, norm_topk_prob=True)
+                                 num_experts=experts, decoder_sparse_step=1, head_dim=64, norm_topk_prob=True)
     if family == "qwen2_moe":
         return tf.Qwen2MoeConfig(**common, intermediate_size=768, moe_intermediate_size=EXPERT_FF,
-                                 shared_expert_intermediate_size=256, num_experts=EXPERTS,
+                                 shared_expert_intermediate_size=256, num_experts=experts,
                                  decoder_sparse_step=1)
     raise ValueError(f"no GGUF fixture for {family!r}")
 
 
-def tiny_model(family: str, seed: int = 0, layers: int = LAYERS):
+def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = EXPERTS):
     import transformers as tf
 
     tokens, _, _ = tokenizer_lists()
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, len(tokens), layers), dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, len(tokens), layers, experts),
+                                                dtype=torch.float32)
     with torch.no_grad():  # varied routing, so that tokens spread over the experts
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -66,13 +67,18 @@ def tiny_model(family: str, seed: int = 0, layers: int = LAYERS):
 
 
 def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "Q8_0", seed: int = 0,
-               layers: int = LAYERS, down_type: str | None = None, tokenizer: bool = True) -> Path:
-    """Write a tiny ``family`` model as GGUF with experts in ``expert_type`` (down in ``down_type``)."""
+               layers: int = LAYERS, down_type: str | None = None, tokenizer: bool = True,
+               experts: int = EXPERTS, split_max_tensors: int = 0) -> Path:
+    """Write a tiny ``family`` model as GGUF with experts in ``expert_type`` (down in ``down_type``).
+
+    ``split_max_tensors`` > 0 writes a split model (``path`` gets ``-0000N-of-0000M``) and
+    returns its first part.
+    """
     path = Path(path)
-    model = tiny_model(family, seed, layers)
+    model = tiny_model(family, seed, layers, experts)
     cfg = model.config
     arch = ARCH[family]
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _metadata(writer, cfg, arch, tokenizer)
     rng = np.random.default_rng(seed)
     names = gguf.get_tensor_name_map(_arch_enum(arch), cfg.num_hidden_layers)
@@ -100,6 +106,8 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split_max_tensors:
+        return next(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
     return path
 
 

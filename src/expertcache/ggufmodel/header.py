@@ -176,10 +176,10 @@ def _expert_tensors(tensors: dict[str, TensorRef]) -> dict[int, dict[str, Tensor
 
 
 def _check_model(path: Path, arch, metadata: dict, experts: dict) -> None:
-    if arch is None:
-        if metadata.get("general.type") == "imatrix" or any(k.startswith("imatrix.") for k in metadata):
-            raise ValueError(f"{path.name} is a llama.cpp imatrix file, not a model; pass it as "
-                             "--imatrix next to the model file")
+    if metadata.get("general.type") == "imatrix" or any(k.startswith("imatrix.") for k in metadata):
+        raise ValueError(f"{path.name} is a llama.cpp imatrix file, not a model; pass it as "
+                         "--imatrix next to the model file")
+    if not arch:
         raise ValueError(f"{path.name}: no general.architecture in the GGUF metadata; not a model file")
     if not experts:
         raise ValueError(f"{path.name}: a dense model (architecture {arch!r}, no ffn_*_exps expert tensors); "

@@ -116,6 +116,8 @@ def _hf_config(header: GgufModel):
     shared = header.tensors.get(f"blk.{header.moe_blocks[0]}.ffn_gate_shexp.weight")
     if shared is not None:
         values["shared_expert_intermediate_size"] = shared.shape[0]
+    # transformers looks for output.weight in the first file only; in a split model it may be in another
+    values["tie_word_embeddings"] = "output.weight" not in header.tensors
     embed = header.tensors.get("token_embd.weight")
     if embed is not None:
         values["vocab_size"] = embed.shape[0]
