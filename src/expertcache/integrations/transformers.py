@@ -199,6 +199,17 @@ def load_checkpoint(path: str | Path, dtype: str | None):
         path, dtype=_DTYPES[dtype] if dtype else "auto", device_map="cpu", local_files_only=True)
 
 
+def check_model_path(path: Path) -> None:
+    """Refuse a missing or unusable model early: a GGUF file (header read) or a checkpoint directory."""
+    from ..ggufmodel.header import read_header
+    from ..ggufmodel.load import is_gguf
+
+    if is_gguf(path):
+        read_header(path)
+    else:
+        check_checkpoint_dir(path)
+
+
 def check_checkpoint_dir(path: Path) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path} (give a local directory "
