@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "probe", "trace", "generate", "bench", "demo")
+COMMANDS = ("policies", "imatrix", "sim", "plan", "probe", "trace", "generate", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
