@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
 from expertcache.integrations.transformers import offload  # noqa: E402
-from expertcache.runtime.miss import CostModel  # noqa: E402
+from expertcache.sim.costmodel import Hardware  # noqa: E402
 
 NEW_TOKENS = 6
 
@@ -30,8 +30,10 @@ CONFIGS = [
     ("lfu-perlayer-auto", dict(slots=4, partition="per-layer", eviction="lfu", miss="auto")),
 ]
 
-# auto: CPU for an expert with 1 token, fetch for 2 or more (see CostModel: n* = 2F/h2d for fp32)
-SPLIT_COST = CostModel(h2d_bytes_per_s=1.0, host_bytes_per_s=float("inf"), host_flops=1.0)
+# auto: CPU for an expert with 1 token, fetch for 2 or more (1 B/s over PCIe against 1 FLOP/s on
+# the host, memory free: fetch costs 4P s for fp32, the CPU 2P s per token)
+SPLIT_COST = Hardware("split", h2d_gbps=1e-9, gpu_mem_gbps=float("inf"), cpu_mem_gbps=float("inf"),
+                      cpu_gflops=1e-9, transfer_latency_s=0.0)
 
 
 def _run(model, ids):
@@ -55,7 +57,7 @@ def test_cached_equals_uncached(family, label, kwargs):
     name, reference, ids, (ref_prompt, ref_steps, ref_tokens) = family
     model = offload(copy.deepcopy(reference), **kwargs)
     if kwargs.get("miss") == "auto":
-        model.expertcache.cost = SPLIT_COST
+        model.expertcache.hardware = SPLIT_COST
     prompt, steps, tokens = _run(model, ids)
     assert (prompt - ref_prompt).abs().max().item() <= 1e-5, f"{name} {label}: prompt logits differ"
     assert (steps - ref_steps).abs().max().item() <= 1e-5, f"{name} {label}: decode logits differ"

@@ -275,10 +275,11 @@ def test_auto_sends_few_token_experts_to_the_host(reference, ids, monkeypatch):
     """With a cost model whose break-even is 2 tokens, decode misses (1 token each) run on the
     host and the prompt's misses (most experts see several tokens) mostly on the device."""
     from expertcache.runtime import experts as experts_mod
-    from expertcache.runtime.miss import CostModel
+    from expertcache.sim.costmodel import Hardware
 
     model = offload(copy.deepcopy(reference), slots=3, miss="auto")
-    model.expertcache.cost = CostModel(h2d_bytes_per_s=1.0, host_bytes_per_s=float("inf"), host_flops=1.0)
+    model.expertcache.hardware = Hardware("split", h2d_gbps=1e-9, gpu_mem_gbps=float("inf"),
+                                          cpu_mem_gbps=float("inf"), cpu_gflops=1e-9, transfer_latency_s=0.0)
     on_host = {0: 0, 1: 0}
     real = experts_mod.cpu_experts
 

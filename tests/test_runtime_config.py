@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from expertcache.config import CacheConfig
-from expertcache.runtime.sizes import format_size, parse_size
+from expertcache.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [

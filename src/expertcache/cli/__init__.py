@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "probe", "trace", "generate", "serve", "bench", "demo")
+COMMANDS = ("policies", "imatrix", "sim", "plan", "probe", "trace", "generate", "serve", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

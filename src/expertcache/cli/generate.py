@@ -11,12 +11,14 @@ from .options import add_cache_options, add_sampling_options, cache_config, samp
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with the expert cache and report speed and hits",
-                       description="Generation from a local checkpoint directory with experts in host "
-                                   "memory behind a device slot pool. Tokens print as they are produced; "
+                       description="Generation from a GGUF file or a local checkpoint directory with "
+                                   "experts in host memory behind a device slot pool. Tokens print as "
+                                   "they are produced; "
                                    "then prefill and decode tok/s (cold: first 16 tokens, warm: to N/4, "
                                    "steady: the rest) with hit rate and H2D bytes per token, and the "
                                    "slot pool size. Greedy unless --temperature is above 0.")
-    p.add_argument("model", metavar="MODEL", help="local checkpoint directory (save_pretrained layout)")
+    p.add_argument("model", metavar="MODEL", help="a GGUF file (model.gguf, or the first part of a split "
+                   "one; experts stay quantized) or a local checkpoint directory (save_pretrained layout)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt")
@@ -30,12 +32,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..integrations.transformers import check_checkpoint_dir, load_tokenizer, offload
+    from ..integrations.transformers import check_model_path, load_tokenizer, offload
     from ..runtime.generate import format_summary, generate_and_measure
 
     prompt = args.prompt if args.prompt is not None else _read(args.prompt_file)
     config, how = cache_config(args), sampling(args)  # bad flags fail before the model loads
-    check_checkpoint_dir(Path(args.model))
+    check_model_path(Path(args.model))
     tokenizer = load_tokenizer(args.model)
     model = offload(args.model, config=config).eval()
     _, summary = generate_and_measure(model, tokenizer, prompt, args.max_new_tokens, how, chat=args.chat,

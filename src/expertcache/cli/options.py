@@ -7,19 +7,31 @@ POLICY_HELP = ("EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]], e.g. default
 
 
 def add_cache_options(p) -> None:
+    from ..cache import PARTITIONS
+    from ..config import BASELINES, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, SLOT_FORMATS
+
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="experts the device pool caches (all layers)")
     size.add_argument("--gpu-memory", metavar="SIZE", help="device memory for the pool, e.g. 8GiB")
     p.add_argument("--policy", default="default", metavar="POLICY", help=POLICY_HELP)
-    p.add_argument("--partition", default="global", choices=("global", "per-layer"))
-    p.add_argument("--miss", default="fetch", choices=("fetch", "cpu", "auto"))
-    p.add_argument("--baseline", choices=("resident", "copy-every-pass", "cpu"))
+    p.add_argument("--partition", default="global", choices=PARTITIONS)
+    p.add_argument("--miss", default="fetch", choices=MISS_PATHS)
+    p.add_argument("--baseline", choices=BASELINES)
     p.add_argument("--staging", type=int, help="extra slots that stream bypassed experts (default top-k)")
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--dtype", choices=DTYPES)
+    p.add_argument("--slot-format", default="auto", choices=SLOT_FORMATS,
+                   help="quantized experts: slots hold the quantized bytes (dequantized per use) or the "
+                        "compute dtype (dequantized once per load); auto: quantized on a GPU, "
+                        "dequantized on the CPU (docs/quantized.md)")
+    p.add_argument("--host-memory", default="auto", choices=HOST_MEMORY,
+                   help="quantized experts on the host: a copy in RAM (pinned with CUDA), the "
+                        "memory-mapped file, or auto (a pinned copy when it fits, else the file)")
+    p.add_argument("--hardware", help="cost-model profile for --miss auto: a preset (pcie4-consumer, "
+                   "pcie5-consumer, h200) or a JSON file from 'expertcache probe'")
     p.add_argument("--imatrix", metavar="FILE", help="imatrix .gguf (or trace / counts file) whose hot "
                    "experts are placed before the first token (docs/imatrix.md)")
-    p.add_argument("--imatrix-mode", default="pin", choices=("pin", "seed"),
+    p.add_argument("--imatrix-mode", default="pin", choices=IMATRIX_MODES,
                    help="pin: never evicted, at most half the cache; seed: preloaded, evictable")
 
 
@@ -34,7 +46,8 @@ def cache_config(args):
                        admission_params=policy.admission_params, partition=args.partition,
                        miss=args.miss, baseline=args.baseline, staging=args.staging,
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
-                       imatrix_mode=args.imatrix_mode)
+                       imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
+                       host_memory=args.host_memory, hardware=args.hardware)
 
 
 def add_sampling_options(p, temperature: float) -> None:

@@ -12,11 +12,12 @@ API_KEY_ENV = "EXPERTCACHE_API_KEY"
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Serve a local checkpoint directory through the expert cache: "
+                       description="Serve a GGUF file or a local checkpoint directory through the expert cache: "
                                    "/v1/chat/completions, /v1/completions (streamed or not), /v1/models, "
                                    "and /v1/expertcache/stats. Listens on 127.0.0.1 unless --host says "
                                    "otherwise; requests run one at a time in arrival order (docs/serve.md).")
-    p.add_argument("model", metavar="MODEL", help="local checkpoint directory (save_pretrained layout)")
+    p.add_argument("model", metavar="MODEL", help="a GGUF file or a local checkpoint directory (as for "
+                   "expertcache generate)")
     add_cache_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this "
                    "machine only)")
@@ -33,7 +34,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..integrations.transformers import load_tokenizer, offload
+    from ..integrations.transformers import check_model_path, load_tokenizer, offload
     from ..serve.server import Server, ServeSettings
 
     settings = ServeSettings(model_name=args.model_name or Path(args.model).resolve().name, host=args.host,
@@ -41,6 +42,7 @@ def run(args) -> int:
                              max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                              max_tokens=args.max_tokens, max_queue=args.max_queue, log_level=args.log_level)
     config = cache_config(args)  # bad flags fail before the model loads
+    check_model_path(Path(args.model))
     tokenizer = load_tokenizer(args.model)
     model = offload(args.model, config=config).eval()
     print(f"expertcache serve: {model.expertcache!r}")

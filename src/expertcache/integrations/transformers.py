@@ -28,13 +28,18 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
             miss: str = "fetch", baseline: str | None = None, device=None, dtype: str | None = None,
             staging: int | None = None, eviction_params: dict | None = None,
             admission_params: dict | None = None, imatrix=None, imatrix_mode: str = "pin",
+            slot_format: str = "auto", host_memory: str = "auto", hardware: str | None = None,
             config: CacheConfig | None = None):
     """Keep ``model_or_path``'s experts in host memory behind a device slot pool; returns the model.
 
-    ``model_or_path``: a loaded transformers MoE model (changed in place) or a local
-    checkpoint directory. ``config`` replaces the keyword settings when given.
+    ``model_or_path``: a loaded transformers MoE model (changed in place), a local
+    checkpoint directory, or a GGUF file (``model.gguf`` or the first part of a split
+    one; its experts stay quantized: docs/quantized.md). ``config`` replaces the keyword settings when given.
     ``imatrix`` (path to an imatrix .gguf, trace or counts file) places its hot experts before
     the first forward: ``imatrix_mode`` 'pin' keeps them, 'seed' lets them be evicted.
+    ``slot_format`` ('auto', 'quantized', 'dequantized') and ``host_memory`` ('auto', 'copy',
+    'mmap') apply to quantized experts; ``hardware`` (a preset or probe profile) feeds the cost
+    model of ``miss='auto'``.
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """
     if config is None:
@@ -42,7 +47,12 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
                              partition=partition, miss=miss, baseline=baseline, staging=staging,
                              device=None if device is None else str(device), dtype=dtype,
                              eviction_params=eviction_params or {}, admission_params=admission_params or {},
-                             imatrix=None if imatrix is None else str(imatrix), imatrix_mode=imatrix_mode)
+                             imatrix=None if imatrix is None else str(imatrix), imatrix_mode=imatrix_mode,
+                             slot_format=slot_format, host_memory=host_memory, hardware=hardware)
+    if isinstance(model_or_path, (str, Path)):
+        from ..ggufmodel.load import is_gguf
+        if is_gguf(Path(model_or_path)):
+            return _offload_gguf(Path(model_or_path), config)
     model = load_checkpoint(model_or_path, config.dtype) if isinstance(model_or_path, (str, Path)) \
         else model_or_path
     if not isinstance(model, torch.nn.Module):
@@ -56,29 +66,60 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
     if getattr(model, "expertcache", None) is not None:
         raise ValueError("this model is already offloaded (model.expertcache exists); load a fresh copy")
     found = find_experts(model)
-    if config.imatrix is not None:  # a bad file fails before the experts leave the model
-        from ..imatrix.apply import check_source
-        check_source(config.imatrix, len(found), found[0][1].num_experts)
+    counts = _imatrix_counts(config, found)  # a bad file fails before the experts leave the model
     if config.dtype is not None:
         model.to(_DTYPES[config.dtype])
     for name, module in found:
         check_layout(module, name)
-        if config.effective().miss != "fetch" and getattr(module, "has_post_expert_norm", False):
-            raise ValueError(f"{name}: experts with a post-expert norm support only miss='fetch'")
-    device = _device(config.device)
     hosts = [HostExperts.take(module, pin=torch.cuda.is_available()) for _, module in found]
+    return attach(model, found, hosts, config, counts)
+
+
+def _offload_gguf(path: Path, config: CacheConfig) -> torch.nn.Module:
+    """A GGUF file: the dense part loaded, the experts kept quantized in the host tier."""
+    from ..ggufmodel.load import load_gguf
+
+    model, found, hosts, _ = load_gguf(path, config, _device(config.device))
+    return attach(model, found, hosts, config, _imatrix_counts(config, found))
+
+
+def attach(model: torch.nn.Module, found, hosts, config: CacheConfig, counts=None) -> torch.nn.Module:
+    """Build the cache over ``hosts`` (one per experts module in ``found``) and hook it in.
+
+    Shared by checkpoints (experts taken from the modules) and GGUF files (experts read
+    from the file): on any refusal the experts go back and the model is as it was.
+    """
+    miss = config.effective().miss
     try:
+        for name, module in found:
+            if miss != "fetch" and getattr(module, "has_post_expert_norm", False):
+                raise ValueError(f"{name}: experts with a post-expert norm support only miss='fetch'")
         _check_uniform(hosts, found)
-        cache = ExpertCache(config, hosts, _top_k(model, found), device)
+        cache = ExpertCache(config, hosts, _top_k(model, found), _device(config.device),
+                            _hardware(config), counts)
     except Exception:  # sizing refused: hand the experts back so the model is as it was
         for host, (_, module) in zip(hosts, found):
             host.restore(module)
         raise
-    model.to(device)  # the dense part; the experts modules no longer hold their weights
+    model.to(cache.device)  # the dense part; the experts modules no longer hold their weights
     for layer, (_, module) in enumerate(found):
         module._expertcache = (cache, layer)
     _attach(model, cache)
     return model
+
+
+def _imatrix_counts(config: CacheConfig, found):
+    """The imatrix counts, read and checked once (None without --imatrix)."""
+    if config.imatrix is None:
+        return None
+    from ..imatrix.apply import check_source
+    return check_source(config.imatrix, len(found), found[0][1].num_experts)
+
+
+def _hardware(config: CacheConfig):
+    """The cost model's rates for the 'auto' miss path (a preset or a probe profile)."""
+    from ..sim.hardware import DEFAULT, load_hardware
+    return load_hardware(config.hardware or DEFAULT)
 
 
 def _device(name: str | None) -> torch.device:
@@ -114,10 +155,12 @@ def find_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _check_uniform(hosts: list[HostExperts], found) -> None:
-    first = hosts[0].layout()
+    def layout(host):
+        return host.layout() if host.codec is None else host.codec
+    first = layout(hosts[0])
     for host, (name, _) in zip(hosts, found):
-        if host.layout() != first:
-            raise ValueError(f"{name}: expert shapes differ between MoE layers ({host.layout()} vs "
+        if layout(host) != first:
+            raise ValueError(f"{name}: expert shapes or types differ between MoE layers ({layout(host)} vs "
                              f"{first}); one slot pool needs identical experts in every layer")
 
 
@@ -159,6 +202,17 @@ def load_checkpoint(path: str | Path, dtype: str | None):
         path, dtype=_DTYPES[dtype] if dtype else "auto", device_map="cpu", local_files_only=True)
 
 
+def check_model_path(path: Path) -> None:
+    """Refuse a missing or unusable model early: a GGUF file (header read) or a checkpoint directory."""
+    from ..ggufmodel.header import read_header
+    from ..ggufmodel.load import is_gguf
+
+    if is_gguf(path):
+        read_header(path)
+    else:
+        check_checkpoint_dir(path)
+
+
 def check_checkpoint_dir(path: Path) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path} (give a local directory "
@@ -193,9 +247,12 @@ def _check_weight_files(path: Path) -> None:
 
 
 def load_tokenizer(path: str | Path):
-    """The tokenizer saved next to a local checkpoint (nothing is downloaded)."""
+    """The tokenizer saved next to a local checkpoint, or in a GGUF file (nothing is downloaded)."""
     from transformers import AutoTokenizer
 
+    from ..ggufmodel.load import is_gguf, load_gguf_tokenizer
+    if is_gguf(Path(path)):
+        return load_gguf_tokenizer(Path(path))
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:

@@ -26,7 +26,8 @@ def _activate(module: torch.nn.Module, proj: torch.Tensor) -> torch.Tensor:
 
 def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: torch.Tensor,
                        weights: torch.Tensor, pool: dict[str, torch.Tensor],
-                       groups: list[tuple[int, int]] | None = None, grouped: bool = False) -> torch.Tensor:
+                       groups: list[tuple[int, int]] | None = None, grouped: bool = False,
+                       transposed: bool | None = None) -> torch.Tensor:
     """Experts output for the (token, rank) pairs whose slot id is below the pool size.
 
     hidden [T, H]; slot_idx [T, K] int64 (S = pool size means "not computed here");
@@ -35,13 +36,16 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     in slot order, known on the host from the plan, so neither strategy syncs (derived
     from slot_idx when omitted). ``grouped``: one grouped matmul over all slots (the
     device kernel); otherwise a loop of matmuls over the used slots (the host, or a
-    device whose grouped_mm does not take this dtype).
+    device whose grouped_mm does not take this dtype). ``transposed``: whether the
+    pool's weights are ``[in, out]`` (default: the module's own ``is_transposed``;
+    dequantized GGUF experts are always ``[out, in]``).
     """
     first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
     w_up, w_down = pool[first], pool["down_proj"]
     S = w_up.shape[0]
     T, K = slot_idx.shape
-    transposed = getattr(module, "is_transposed", False)
+    if transposed is None:
+        transposed = getattr(module, "is_transposed", False)
     if groups is None:
         groups = sorted(Counter(s for s in slot_idx.reshape(-1).tolist() if s < S).items())
     n = sum(count for _, count in groups)              # pairs computed here (host-known: no sync)
@@ -99,10 +103,12 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def one_expert(module: torch.nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+def one_expert(module: torch.nn.Module, x: torch.Tensor, w: dict[str, torch.Tensor],
+               transposed: bool | None = None) -> torch.Tensor:
     """One expert's MLP on tokens ``x`` [N, H] with its weights ``w`` (kind -> one expert's tensor)."""
     first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
-    transposed = getattr(module, "is_transposed", False)
+    if transposed is None:
+        transposed = getattr(module, "is_transposed", False)
     x = x.to(w[first].dtype)
     proj = _activate(module, _linear(x, w[first], w.get(first + "_bias"), transposed))
     out = _linear(proj, w["down_proj"], w.get("down_proj_bias"), transposed)

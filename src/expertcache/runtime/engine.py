@@ -6,73 +6,97 @@ from __future__ import annotations
 import torch
 
 from ..cache import SlotTable
+from ..imatrix.apply import place
 from ..config import CacheConfig
+from ..sim.costmodel import (ExpertCost, Hardware, pool_extra_bytes, prefer_cpu, scratch_experts,
+                             slots_in_budget)
+from ..sim.hardware import DEFAULT, PRESETS
+from ..sizes import format_size
 from ..stats import DECODE, PREFILL
 from .host import HostExperts
-from .miss import CostModel
-from .sizes import format_size
 from .slots import SlotPool
 from .stats import LiveStats
 
 
 class ExpertCache:
+    """``config`` is validated already (``CacheConfig``); ``counts``: imatrix counts, read once."""
+
     def __init__(self, config: CacheConfig, hosts: list[HostExperts], top_k: int,
-                 device: torch.device, cost: CostModel | None = None) -> None:
+                 device: torch.device, hardware: Hardware | None = None, counts=None) -> None:
         self.config = config
         run = config.effective()  # baselines resolved into plain settings
         self.hosts, self.top_k, self.device = hosts, top_k, torch.device(device)
         self.num_layers, self.num_experts = len(hosts), hosts[0].num_experts
-        self.expert_bytes = hosts[0].expert_bytes
-        self.miss, self.cost = run.miss, cost or CostModel()
-        self._params = sum(t[0].numel() for t in hosts[0].tensors.values())
+        self.expert_bytes = hosts[0].expert_bytes  # bytes one load moves (quantized: the stored bytes)
+        self.codec = hosts[0].codec
+        self.slot_format = _slot_format(config.slot_format, self.codec, self.device)
+        self.miss, self.hardware = run.miss, hardware or PRESETS[DEFAULT]
+        self.cost = self._expert_cost(hosts[0])
         slots, pool_slots, staging = self._size(run)
         self.table = SlotTable(self.num_layers, self.num_experts, slots, eviction=run.eviction,
                                admission=run.admission, partition=run.partition, top_k=top_k,
                                eviction_params=run.eviction_params,
                                admission_params=run.admission_params)
-        self.pool = SlotPool(hosts[0].layout(), pool_slots, staging, self.device)
+        self.pool = SlotPool(hosts[0].layout() if self.codec is None else {}, pool_slots, staging,
+                             self.device, self.codec, self.slot_format, self._scratch(staging))
         self.h2d = [[0] * self.num_layers for _ in range(2)]  # [phase][layer] bytes
         self.phase: int | None = None  # set per forward by the model's pre-hook
         self.model = None  # set by offload(): report() reads the model's forward clock
         if config.baseline == "resident":
             self._preload_all()
-        elif config.imatrix is not None:
-            self._place_imatrix(config.imatrix, config.imatrix_mode, run)
+        elif counts is not None:
+            self._place_imatrix(counts, config.imatrix_mode, run)
+
+    def _expert_cost(self, host: HostExperts) -> ExpertCost:
+        if self.codec is None:
+            params = sum(t[0].numel() for t in host.tensors.values())
+            return ExpertCost(self.expert_bytes, 2.0 * params)
+        return ExpertCost(self.expert_bytes, 2.0 * self.codec.params, compute_bytes=self.codec.compute_bytes)
 
     # -- sizing -----------------------------------------------------------------
     def _size(self, run: CacheConfig) -> tuple[int, int, int]:
         """(table slots, pool cache slots, staging slots) for this configuration."""
         L, E, k = self.num_layers, self.num_experts, self.top_k
+        each = self.cost.slot_bytes(self.slot_format)
         if run.baseline == "resident":
-            self._check_free(L * E * self.expert_bytes, "baseline 'resident' (every expert on the device)")
+            self._check_free(L * E * each + self._scratch_bytes(0),
+                             "baseline 'resident' (every expert on the device)")
             return L * E, L * E, 0
         staging = 0 if run.miss == "cpu" else (run.staging or k)
         if run.admission == "never":  # nothing is ever cached (baselines cpu, copy-every-pass):
             # the table only counts accesses; the pool keeps just the staging slots
-            self._check_free(staging * self.expert_bytes, f"{staging} staging slots")
+            self._check_free(staging * each + self._scratch_bytes(staging), f"{staging} staging slots")
             return (k * L if run.partition == "per-layer" else k), 0, staging
-        if run.slots is None and run.gpu_memory is None:
-            raise ValueError("the cache needs a size: give slots=N or gpu_memory='8GiB' "
-                             "(or baseline='resident' / 'cpu')")
         slots = run.slots if run.gpu_memory is None else self._slots_in_budget(run, staging)
         slots = min(slots, L * E)  # more slots than experts would only waste memory
         if run.partition == "per-layer":
             slots = min(slots // L, E) * L or slots  # whole slots per layer; the table checks the rest
-        self._check_free((slots + staging) * self.expert_bytes, f"a pool of {slots}+{staging} slots")
+        self._check_free((slots + staging) * each + self._scratch_bytes(staging),
+                         f"a pool of {slots}+{staging} slots")
         return slots, slots, staging
 
+    def _scratch(self, staging: int) -> int:
+        return scratch_experts(self.slot_format, self.top_k, staging)
+
+    def _scratch_bytes(self, staging: int) -> int:
+        """Device bytes besides the slots: the dequantization scratch, or one expert's landing buffer."""
+        return pool_extra_bytes(self.cost, self.slot_format, self._scratch(staging))
+
     def _slots_in_budget(self, run: CacheConfig, staging: int) -> int:
-        """Cache slots that fit ``gpu_memory`` next to the staging slots."""
+        """Cache slots that fit ``gpu_memory`` next to the staging slots and the scratch."""
         budget, k = run.gpu_memory_bytes, self.top_k
+        each = self.cost.slot_bytes(self.slot_format)
         self._check_free(budget, f"gpu_memory={run.gpu_memory!r}")
-        slots = budget // self.expert_bytes - staging
+        extra = self._scratch_bytes(staging)
+        slots = slots_in_budget(budget, self.cost, self.slot_format, staging, self._scratch(staging))
         per_layer = run.partition == "per-layer"
         need = k * (self.num_layers if per_layer else 1)
         if slots < need:
             raise ValueError(f"capacity below top-k: gpu_memory={run.gpu_memory!r} holds {max(slots, 0)} "
-                             f"experts of {format_size(self.expert_bytes)} after {staging} staging slots, "
+                             f"experts of {format_size(each)} after {staging} staging slots"
+                             f"{f' and {format_size(extra)} of scratch' if extra else ''}, "
                              f"but a step needs {k} per {'layer' if per_layer else 'pool'}; give at least "
-                             f"{format_size((need + staging) * self.expert_bytes)}")
+                             f"{format_size((need + staging) * each + extra)}")
         return slots
 
     def _check_free(self, nbytes: int, what: str) -> None:
@@ -88,14 +112,12 @@ class ExpertCache:
             self.pool.load(slot, self.hosts[layer], expert)  # setup, not counted as traffic
         self.pool.ready()
 
-    def _place_imatrix(self, source, mode: str, run: CacheConfig) -> None:
+    def _place_imatrix(self, counts, mode: str, run: CacheConfig) -> None:
         """Pin or seed the imatrix plan (docs/imatrix.md) and copy those experts in now."""
         if run.admission == "never" or self.pool.slots == 0:
             raise ValueError(f"imatrix placement needs cache slots; baseline {self.config.baseline!r} "
                              "keeps none (give slots or gpu_memory without a baseline)")
-        from ..imatrix import place
-
-        for key, slot in place(self.table, source, mode).loads.items():
+        for key, slot in place(self.table, counts, mode).loads.items():
             layer, expert = divmod(key, self.num_experts)
             self.pool.load(slot, self.hosts[layer], expert)  # setup, not counted as traffic
         self.pool.ready()
@@ -106,7 +128,7 @@ class ExpertCache:
             return False
         if self.miss == "cpu":
             return True
-        return self.cost.prefer_cpu(self.expert_bytes, self._params, tokens[expert])
+        return prefer_cpu(self.cost, self.hardware, tokens[expert], self.slot_format)
 
     def set_phase(self, seq_len: int | None) -> None:
         self.phase = None if seq_len is None else (PREFILL if seq_len > 1 else DECODE)
@@ -133,16 +155,27 @@ class ExpertCache:
             raise ValueError("this cache is not attached to a model (use expertcache.offload)")
         return report(self.model)
 
+    @property
+    def host_mode(self) -> tuple[str, str]:
+        """(where the host experts live: 'copy' / 'pinned' / 'mmap', why)."""
+        return self.hosts[0].mode, self.hosts[0].mode_reason
+
     def summary(self) -> dict:
+        mode, reason = self.host_mode
         return {"layers": self.num_layers, "experts": self.num_experts, "top_k": self.top_k,
                 "slots": self.pool.slots, "staging": self.pool.staging,
                 "slot_bytes": self.slot_bytes, "expert_bytes": self.expert_bytes,
+                "slot_format": self.slot_format, "scratch_bytes": self.pool.scratch_bytes,
+                "bytes_per_slot": self.cost.slot_bytes(self.slot_format),
+                "quant": None if self.codec is None else sorted({p.fmt.name for p in self.codec.parts}),
+                "host_memory": mode, "host_memory_reason": reason,
                 "device": str(self.device), "config": self.config.to_dict()}
 
     def __repr__(self) -> str:
         return (f"ExpertCache({self.num_layers} layers x {self.num_experts} experts, "
                 f"{self.pool.slots} slots + {self.pool.staging} staging = {format_size(self.slot_bytes)} "
-                f"on {self.device}, {self.config.eviction}+{self.config.admission}, miss={self.miss})")
+                f"({self.slot_format}) on {self.device}, {self.config.eviction}+{self.config.admission}, "
+                f"miss={self.miss}, host {self.host_mode[0]})")
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -158,3 +191,20 @@ def free_memory(device: torch.device) -> int | None:
         except OSError:
             return None
     return None
+
+
+def _slot_format(choice: str, codec, device: torch.device) -> str:
+    """'plain' for float experts; for quantized ones the choice, 'auto' by device.
+
+    'auto': quantized slots on a GPU (dequantizing a few MiB per use is memory bound,
+    microseconds, and the pool holds 3-4x more experts), dequantized slots on the
+    host (dequantizing per use costs more than the expert math there: docs/quantized.md).
+    """
+    if codec is None:
+        if choice not in ("auto", "dequantized"):
+            raise ValueError(f"slot_format={choice!r} is for quantized experts; this model's experts are "
+                             "already in a float dtype (use the default 'auto')")
+        return "plain"
+    if choice != "auto":
+        return choice
+    return "quantized" if device.type == "cuda" else "dequantized"

@@ -69,28 +69,46 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
 
 def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights, idx_rows,
                    on_device: dict[int, int], staged: list[int]) -> torch.Tensor | None:
-    """Compute device experts; bypasses beyond the staging slots go in further rounds."""
+    """Compute device experts; bypasses beyond the staging slots go in further rounds.
+
+    With quantized slots a round also holds at most ``pool.max_view`` experts: the
+    scratch they are dequantized into for the round.
+    """
     pool, host = cache.pool, cache.hosts[layer]
     staging = pool.staging_ids
     if staged and not staging:
         raise RuntimeError("a bypassed expert needs a staging slot but the pool has none")
-    chunks = [staged[i:i + len(staging)] for i in range(0, len(staged), len(staging) or 1)] or [[]]
+    width = min(len(staging) or 1, pool.max_view or len(staging) or 1)
+    staged_rounds = [list(zip(staged[i:i + width], staging)) for i in range(0, len(staged), width)]
+    rounds = [(dict(c), []) for c in _chunks(list(on_device.items()), pool.max_view)] or [({}, [])]
+    if staged_rounds and pool.max_view is None:  # the first staged experts join the slots' matmul
+        first = staged_rounds.pop(0)
+        rounds[-1] = ({**rounds[-1][0], **dict(first)}, first)
+    rounds += [(dict(c), c) for c in staged_rounds]
     out = None
-    for r, chunk in enumerate(chunks):
-        mapping = dict(on_device) if r == 0 else {}
-        for expert, slot in zip(chunk, staging):
+    for mapping, loads in rounds:
+        for expert, slot in loads:
             cache.h2d[phase][layer] += pool.load(slot, host, expert)
-            mapping[expert] = slot
         if not mapping:
             continue
         pool.ready(mapping.values())  # compute waits for copies into the slots it reads
-        slot_idx = _slot_index(mapping, cache.num_experts, pool.size, top_k_index)
-        # (slot, pairs routed to it) in slot order, from the host copy of the routing: no sync
-        groups = sorted(Counter(mapping[e] for row in idx_rows for e in row if e in mapping).items())
-        y = grouped_over_slots(module, hidden, slot_idx, top_k_weights, pool.tensors, groups, pool.grouped)
+        weights, rows = pool.view(mapping)
+        size = next(iter(weights.values())).shape[0]
+        slot_idx = _slot_index(rows, cache.num_experts, size, top_k_index)
+        # (row, pairs routed to it) in row order, from the host copy of the routing: no sync
+        groups = sorted(Counter(rows[e] for row in idx_rows for e in row if e in rows).items())
+        y = grouped_over_slots(module, hidden, slot_idx, top_k_weights, weights, groups, pool.grouped,
+                               host.transposed)
         pool.mark_read(mapping.values())  # the next load into these slots waits for this
         out = y if out is None else out + y
     return out
+
+
+def _chunks(items: list, size: int | None) -> list[list]:
+    if not items:
+        return []
+    size = size or len(items)
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def _slot_index(mapping: dict[int, int], num_experts: int, size: int,

@@ -151,7 +151,7 @@ def _cache_part(cache, decode_steps: int, new_tokens: int, since) -> dict:
 
 def format_summary(summary: dict) -> str:
     """Human-readable lines for the terminal."""
-    from .sizes import format_size
+    from ..sizes import format_size
 
     def phase(name):
         part = summary[f"decode_{name}"]
@@ -172,7 +172,9 @@ def format_summary(summary: dict) -> str:
                          f"{'-' if per_tok is None else format_size(per_tok)} per decode token"),
                  ("slot pool", f"{c['slots']} slots + {c['staging']} staging = "
                                f"{format_size(c['slot_bytes'])} on {c['device']} "
-                               f"(expert {format_size(c['expert_bytes'])})"),
+                               f"(expert {format_size(c['expert_bytes'])}"
+                               f"{', ' + '/'.join(c['quant']) + ' in ' + c['slot_format'] + ' slots' if c['quant'] else ''})"),
+                 ("host experts", f"{c['host_memory']}: {c['host_memory_reason']}"),
                  ("policy", policy_label(c["config"]))]
     return "\n".join(f"{label:<14}{value}" for label, value in rows)
 

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import torch
 
-# Weight kinds a transformers ``@use_experts_implementation`` module may hold, [E, ...] each.
-WEIGHT_KINDS = ("gate_up_proj", "up_proj", "down_proj",
-                "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
         if hasattr(torch, n)}
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -56,10 +53,19 @@ def check_layout(module: torch.nn.Module, where: str) -> None:
 
 
 class HostExperts:
-    """One MoE layer's experts in host memory: ``tensors[kind]`` is ``[E, ...]``."""
+    """One MoE layer's experts in host memory: ``tensors[kind]`` is ``[E, ...]``.
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    The slot pool copies ``tensors[kind][e]`` as it is; ``expert(e)`` gives the CPU miss
+    path the weights to compute with. ``runtime/quantized.py`` has the quantized twin.
+    """
+
+    codec = None          # quantized hosts carry how their bytes become compute weights
+    mode = "copy"         # where the host bytes live (quantized hosts may read an mmap)
+    mode_reason = "weights taken from the loaded model"
+
+    def __init__(self, tensors: dict[str, torch.Tensor], transposed: bool = False) -> None:
         self.tensors = tensors
+        self.transposed = transposed  # GPT-OSS stores [in, out]; the math follows the host
         self.num_experts = next(iter(tensors.values())).shape[0]
         # bytes one expert occupies over all kinds: what a slot load moves over PCIe
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in tensors.values())
@@ -74,7 +80,7 @@ class HostExperts:
                 data = data.pin_memory()
             tensors[kind] = data
             delattr(module, kind)
-        return cls(tensors)
+        return cls(tensors, transposed=getattr(module, "is_transposed", False))
 
     def restore(self, module: torch.nn.Module) -> None:
         """Put the weights back into ``module`` as parameters (undo ``take``)."""

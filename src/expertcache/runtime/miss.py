@@ -4,43 +4,17 @@
   for a bypass) and compute on the device with the hits.
 - ``cpu``: compute it on the host weights while the device works on the hits; a
   planned load is still copied into its slot (asynchronously) for later hits.
-- ``auto``: per missed expert, whichever of the two the cost model says is cheaper
-  for the number of tokens routed to it (Fiddler: transfer pays off only when enough
-  tokens use the expert).
+- ``auto``: per missed expert, whichever of the two the cost model
+  (``sim/costmodel.py``, the simulator's) says is cheaper for the number of tokens
+  routed to it (Fiddler: transfer pays off only when enough tokens use the expert).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from .compute import one_expert
 from .host import HostExperts
-
-MISS_PATHS = ("fetch", "cpu", "auto")
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds to serve one missed expert either way; defaults are a PCIe 4.0 desktop.
-
-    fetch: the expert's bytes over the host-to-device link. cpu: the host streams the
-    expert's weights from RAM once, plus 2 flops per weight per token.
-    """
-
-    h2d_bytes_per_s: float = 25e9
-    host_bytes_per_s: float = 50e9
-    host_flops: float = 5e11
-
-    def fetch_s(self, expert_bytes: int) -> float:
-        return expert_bytes / self.h2d_bytes_per_s
-
-    def cpu_s(self, expert_bytes: int, params: int, tokens: int) -> float:
-        return expert_bytes / self.host_bytes_per_s + 2.0 * params * tokens / self.host_flops
-
-    def prefer_cpu(self, expert_bytes: int, params: int, tokens: int) -> bool:
-        return self.cpu_s(expert_bytes, params, tokens) < self.fetch_s(expert_bytes)
 
 
 def cpu_experts(module: torch.nn.Module, host: HostExperts, experts: list[int],
@@ -55,7 +29,7 @@ def cpu_experts(module: torch.nn.Module, host: HostExperts, experts: list[int],
     for expert in experts:
         tok, rank = zip(*pairs[expert])
         tok_idx = torch.tensor(tok)
-        y = one_expert(module, hidden.index_select(0, tok_idx), host.expert(expert))  # [N, H]
+        y = one_expert(module, hidden.index_select(0, tok_idx), host.expert(expert), host.transposed)  # [N, H]
         y = y * weights[tok_idx, torch.tensor(rank)].unsqueeze(-1).to(y.dtype)
         out[tok_idx] += y.to(out.dtype)  # a token meets an expert once: indices are unique
     return out

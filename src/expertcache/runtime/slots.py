@@ -4,6 +4,12 @@ Slot ids are the SlotTable's (``0..slots-1``) followed by ``staging`` slots that
 stream experts a step needs but the cache does not admit. The tensors never move or
 grow, so ``data_ptr()`` is fixed for the life of the model.
 
+Quantized experts (``runtime/quantized.py``) come in two slot formats: ``quantized``
+slots hold the stored bytes and ``view()`` dequantizes the slots a step reads into a
+scratch of the compute dtype; ``dequantized`` slots hold the compute dtype and
+``load()`` copies the bytes into a small device buffer, then dequantizes into the slot.
+Either way only the quantized bytes cross from the host.
+
 On CUDA, loads run on a dedicated copy stream from pinned host memory. Two kinds of
 events keep it race-free without host syncs: compute waits for the copy stream
 (``ready``) before reading freshly loaded slots, and a load into a slot first waits
@@ -16,22 +22,42 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .compute import grouped_mm_works
 from .host import HostExperts
+
+if TYPE_CHECKING:
+    from .quantized import Codec
+
+FORMATS = ("plain", "quantized", "dequantized")
 
 
 class SlotPool:
     def __init__(self, layout: dict[str, tuple[tuple[int, ...], torch.dtype]], slots: int,
-                 staging: int, device: torch.device) -> None:
+                 staging: int, device: torch.device, codec: Codec | None = None,
+                 slot_format: str = "plain", scratch: int = 0) -> None:
         if slots < 0 or staging < 0:
             raise ValueError(f"slot counts must not be negative, got slots={slots}, staging={staging}")
+        if slot_format not in FORMATS or (slot_format == "plain") != (codec is None):
+            raise ValueError(f"slot format {slot_format!r} with codec {codec!r}")
         self.slots, self.staging, self.device = slots, staging, torch.device(device)
         self.size = slots + staging
+        self.codec, self.format = codec, slot_format
+        if slot_format == "quantized":
+            layout = codec.byte_layout()
+        elif slot_format == "dequantized":
+            layout = codec.compute_layout()
+            # one expert's bytes on the device, between the copy and the dequantization
+            self._landing = {k: torch.empty(shape, dtype=dtype, device=self.device)
+                             for k, (shape, dtype) in codec.byte_layout().items()}
         # S = slots + staging; one contiguous tensor per kind so slot s of kind k is tensors[k][s]
         self.tensors = {kind: torch.zeros((self.size, *shape), dtype=dtype, device=self.device)
                         for kind, (shape, dtype) in layout.items()}
+        # most experts one view() dequantizes at once (quantized slots): the scratch size
+        self.max_view = scratch if slot_format == "quantized" else None
         self.cuda = self.device.type == "cuda"
-        dtype = next(iter(layout.values()))[1]
+        dtype = codec.dtype if codec is not None else next(iter(layout.values()))[1]
         self.grouped = grouped_mm_works(self.device, dtype)  # else a loop of matmuls over used slots
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._read_done: list = [None] * self.size  # per slot: event after its last reader
@@ -39,8 +65,13 @@ class SlotPool:
 
     @property
     def slot_bytes(self) -> int:
-        """Device memory the pool holds, staging included."""
+        """Device memory the pool holds, staging included (not the per-step scratch)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Most device memory one step's dequantization scratch takes (quantized slots)."""
+        return (self.max_view or 0) * self.codec.compute_bytes if self.codec is not None else 0
 
     @property
     def staging_ids(self) -> range:
@@ -54,16 +85,40 @@ class SlotPool:
         if not 0 <= slot < self.size:
             raise IndexError(f"slot {slot} outside the pool of {self.size} slots")
         if not self.cuda:
-            for kind, dst in self.tensors.items():
-                dst[slot].copy_(host.tensors[kind][expert])
+            self._copy(slot, host, expert)
             return host.expert_bytes
         with torch.cuda.stream(self.copy_stream):
             if self._read_done[slot] is not None:  # never overwrite a slot still being read
                 self.copy_stream.wait_event(self._read_done[slot])
-            for kind, dst in self.tensors.items():
-                dst[slot].copy_(host.tensors[kind][expert], non_blocking=True)
+            self._copy(slot, host, expert)
         self._fresh.add(slot)
         return host.expert_bytes
+
+    def _copy(self, slot: int, host: HostExperts, expert: int) -> None:
+        """The copy itself (on the copy stream with CUDA; stream order keeps _landing safe)."""
+        if self.format != "dequantized":
+            for kind, dst in self.tensors.items():
+                dst[slot].copy_(host.tensors[kind][expert], non_blocking=self.cuda)
+            return
+        for part, dst in self._landing.items():
+            dst.copy_(host.tensors[part][expert], non_blocking=self.cuda)
+        decoded = self.codec.decode({k: t.unsqueeze(0) for k, t in self._landing.items()})
+        for kind, weights in decoded.items():
+            self.tensors[kind][slot].copy_(weights[0])
+
+    def view(self, mapping: dict[int, int]) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+        """Compute weights for the experts in ``mapping`` (expert -> slot), and expert -> row in them.
+
+        Plain and dequantized slots: the pool itself, rows = slots (no copy). Quantized
+        slots: the used slots dequantized into a fresh scratch [n, ...], n <= max_view.
+        """
+        if self.format != "quantized":
+            return self.tensors, mapping
+        used = sorted(set(mapping.values()))
+        index = torch.tensor(used, device=self.device)
+        scratch = self.codec.decode({k: t.index_select(0, index) for k, t in self.tensors.items()})
+        row = {slot: i for i, slot in enumerate(used)}
+        return scratch, {expert: row[slot] for expert, slot in mapping.items()}
 
     def ready(self, slots=None) -> None:
         """Make compute wait for the loads into ``slots`` (all when None); no host sync.

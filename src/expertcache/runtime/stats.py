@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .sizes import format_size
+from ..sizes import format_size
 from ..stats import DECODE, FIELDS, PREFILL, Stats, format_table, phase_code
 
 

@@ -3,10 +3,16 @@
     t_token = t_dense + L * t_layer + hits * t_hit + misses * t_miss
 
     t_dense  = dense_bytes / gpu_mem            (attention, router, shared experts)
-    t_hit    = expert_bytes / gpu_mem           (batch-1 expert matmul is memory bound)
+    t_hit    = compute_bytes / gpu_mem          (batch-1 expert matmul is memory bound)
     t_fetch  = latency + expert_bytes / h2d + t_hit      (copy over PCIe, then compute)
     t_cpu    = max(expert_bytes / cpu_mem, expert_flops / cpu_flops)
     t_miss   = t_fetch | t_cpu | min(t_fetch, t_cpu)     (miss path fetch | cpu | auto)
+
+Quantized experts (``compute_bytes`` > ``expert_bytes``: the dequantized expert is
+larger than what is stored and moved) add a dequantization, memory bound on the
+device, ``t_deq = (expert_bytes + compute_bytes) / gpu_mem``: once per load with
+``dequantized`` slots (in t_fetch), once per use with ``quantized`` slots (in t_hit);
+on the host ``params / cpu_dequant`` (in t_cpu).
 
 ``hits`` and ``misses`` are per decode token, summed over layers. Assumptions
 and sources are in docs/cost-model.md; bench/ checks them against measured
@@ -17,8 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MISS_PATHS = ("auto", "fetch", "cpu")
+from ..config import MISS_PATHS
+
 GB = 1e9
+# what CacheConfig's 'auto' resolves to; 'plain': float experts, nothing to dequantize
+SLOT_FORMATS = ("quantized", "dequantized", "plain")
 
 
 @dataclass(frozen=True)
@@ -32,10 +41,11 @@ class Hardware:
     cpu_gflops: float          # CPU matmul rate
     transfer_latency_s: float = 10e-6  # fixed cost per expert copy (launch, DMA setup)
     layer_overhead_s: float = 0.0      # fixed cost per MoE layer (launches, sync points)
+    cpu_dequant_gelems: float = 0.3    # host dequantization, G weights/s (torch, one thread: 0.2-0.7)
     source: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("h2d_gbps", "gpu_mem_gbps", "cpu_mem_gbps", "cpu_gflops"):
+        for field in ("h2d_gbps", "gpu_mem_gbps", "cpu_mem_gbps", "cpu_gflops", "cpu_dequant_gelems"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"hardware {self.name!r}: {field} must be a positive number, "
@@ -49,46 +59,97 @@ class Hardware:
 class ExpertCost:
     """The model side: bytes and FLOPs of one expert for one token."""
 
-    expert_bytes: int
+    expert_bytes: int                  # stored and moved per load (quantized bytes for GGUF experts)
     expert_flops: float | None = None  # 2 x parameters; None: CPU cost from bandwidth alone
     dense_bytes: int = 0               # non-expert weights read per token
+    compute_bytes: int | None = None   # the expert in the compute dtype; None: not quantized
 
     def __post_init__(self) -> None:
-        if not isinstance(self.expert_bytes, int) or self.expert_bytes < 1:
-            raise ValueError(f"expert_bytes must be a positive whole number, got {self.expert_bytes!r}")
+        for name in ("expert_bytes", "compute_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        if self.compute_bytes is None:
+            object.__setattr__(self, "compute_bytes", self.expert_bytes)
+
+    @property
+    def quantized(self) -> bool:
+        return self.compute_bytes != self.expert_bytes
+
+    def slot_bytes(self, slot_format: str = "dequantized") -> int:
+        """Device bytes one slot takes: the stored bytes in 'quantized' slots, else the compute dtype."""
+        return self.expert_bytes if slot_format == "quantized" else self.compute_bytes
 
 
-def miss_times(model: ExpertCost, hw: Hardware) -> dict[str, float]:
-    """Seconds per expert for each way of serving it: hit, fetch, cpu."""
-    hit = model.expert_bytes / (hw.gpu_mem_gbps * GB)
-    fetch = hw.transfer_latency_s + model.expert_bytes / (hw.h2d_gbps * GB) + hit
+def scratch_experts(slot_format: str, top_k: int, staging: int) -> int:
+    """Experts one step dequantizes at once with 'quantized' slots: a decode step's top-k (or the
+    staging slots' count, if larger); prefill steps run in rounds of that many."""
+    return max(top_k, staging) if slot_format == "quantized" else 0
+
+
+def pool_extra_bytes(model: ExpertCost, slot_format: str, scratch_experts: int) -> int:
+    """Device bytes a pool needs besides its slots: the per-step dequantization scratch
+    ('quantized' slots, ``scratch_experts`` in the compute dtype) or the landing buffer one
+    load is dequantized from ('dequantized' slots of quantized experts)."""
+    if slot_format == "quantized":
+        return scratch_experts * model.compute_bytes
+    return model.expert_bytes if slot_format == "dequantized" and model.quantized else 0
+
+
+def slots_in_budget(budget: int, model: ExpertCost, slot_format: str, staging: int, scratch_experts: int) -> int:
+    """Cache slots that fit ``budget`` bytes next to ``staging`` slots and the extra buffers
+    (may be negative: the budget does not even hold those). The runtime sizes its pool so."""
+    extra = pool_extra_bytes(model, slot_format, scratch_experts)
+    return (budget - extra) // model.slot_bytes(slot_format) - staging
+
+
+def miss_times(model: ExpertCost, hw: Hardware, slot_format: str = "dequantized",
+               tokens: int = 1) -> dict[str, float]:
+    """Seconds per expert for each way of serving it to ``tokens`` tokens: hit, fetch, cpu."""
+    if slot_format not in SLOT_FORMATS:
+        raise ValueError(f"unknown slot format {slot_format!r}; use one of {', '.join(SLOT_FORMATS)}")
+    gpu = hw.gpu_mem_gbps * GB
+    dequant = (model.expert_bytes + model.compute_bytes) / gpu if model.quantized else 0.0
+    hit = model.compute_bytes / gpu + (dequant if slot_format == "quantized" else 0.0)
+    fetch = (hw.transfer_latency_s + model.expert_bytes / (hw.h2d_gbps * GB) + hit
+             + (dequant if slot_format == "dequantized" else 0.0))
     cpu = model.expert_bytes / (hw.cpu_mem_gbps * GB)
     if model.expert_flops:
-        cpu = max(cpu, model.expert_flops / (hw.cpu_gflops * 1e9))
+        cpu = max(cpu, tokens * model.expert_flops / (hw.cpu_gflops * 1e9))
+        if model.quantized:
+            cpu += model.expert_flops / 2 / (hw.cpu_dequant_gelems * 1e9)
     return {"hit": hit, "fetch": fetch, "cpu": cpu}
 
 
+def prefer_cpu(model: ExpertCost, hw: Hardware, tokens: int, slot_format: str = "dequantized") -> bool:
+    """The ``auto`` miss path's choice for one missed expert routed ``tokens`` tokens."""
+    t = miss_times(model, hw, slot_format, tokens)
+    return t["cpu"] < t["fetch"]
+
+
 def token_time(hits: float, misses: float, model: ExpertCost, hw: Hardware, *,
-               layers: int = 0, miss_path: str = "auto") -> float:
+               layers: int = 0, miss_path: str = "auto", slot_format: str = "dequantized") -> float:
     """Seconds per decode token given ``hits`` and ``misses`` per token (all layers)."""
     if miss_path not in MISS_PATHS:
         raise ValueError(f"unknown miss path {miss_path!r}; use one of {', '.join(MISS_PATHS)}")
-    t = miss_times(model, hw)
+    t = miss_times(model, hw, slot_format)
     t_miss = min(t["fetch"], t["cpu"]) if miss_path == "auto" else t[miss_path]
     dense = model.dense_bytes / (hw.gpu_mem_gbps * GB)
     return dense + layers * hw.layer_overhead_s + hits * t["hit"] + misses * t_miss
 
 
 def tokens_per_second(hits: float, misses: float, model: ExpertCost, hw: Hardware, *,
-                      layers: int = 0, miss_path: str = "auto") -> float:
-    return 1.0 / token_time(hits, misses, model, hw, layers=layers, miss_path=miss_path)
+                      layers: int = 0, miss_path: str = "auto", slot_format: str = "dequantized") -> float:
+    return 1.0 / token_time(hits, misses, model, hw, layers=layers, miss_path=miss_path,
+                            slot_format=slot_format)
 
 
-def chosen_path(model: ExpertCost, hw: Hardware, miss_path: str = "auto") -> str:
+def chosen_path(model: ExpertCost, hw: Hardware, miss_path: str = "auto",
+                slot_format: str = "dequantized") -> str:
     """'fetch' or 'cpu': how misses are served (``auto`` takes the cheaper per expert)."""
     if miss_path != "auto":
         return miss_path
-    t = miss_times(model, hw)
+    t = miss_times(model, hw, slot_format)
     return "fetch" if t["fetch"] <= t["cpu"] else "cpu"
 
 

@@ -1,0 +1,1 @@
+"""GGUF MoE models: header (torch-free) and loader."""

@@ -1,0 +1,195 @@
+"""Load a GGUF MoE model for the cache: the dense part dequantized, the experts left in their blocks.
+
+transformers' own GGUF loading dequantizes every tensor into host memory (a
+Qwen3-30B-A3B Q4_K_M file becomes 60 GiB of bf16). Here transformers supplies what it
+is good at (the config mapping, the GGUF -> HF tensor names, the tokenizer) and the
+model is built empty (``accelerate.init_empty_weights``); only the non-expert tensors
+are dequantized and assigned. Each MoE layer's experts stay as byte views of the file
+(``host_memory='mmap'``) or copies of those bytes (pinned with CUDA), in a
+``QuantExperts`` with the ``Codec`` that turns them into the weights the transformers
+experts module computes with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import CacheConfig
+from ..quant.dequant import dequantize
+from ..runtime.quantized import Codec, Kind, Part, QuantExperts
+from ..sizes import format_size
+from .header import _EXPERT, GgufModel, TensorRef, read_header
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# GGUF archs whose gate/up rows alternate in the model (GPT-OSS's _apply_gate reads them so)
+_INTERLEAVED = {"gpt-oss"}
+
+
+def is_gguf(path: Path) -> bool:
+    """A .gguf path (existing or not), or any file that starts with the GGUF magic."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    if path.is_file():
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    return False
+
+
+def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
+    """(model with empty experts modules, [(name, experts module)], [QuantExperts per layer], header)."""
+    from ..integrations.transformers import find_experts
+
+    header = read_header(path)
+    dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    hf_config = _hf_config(header)
+    model = _empty_model(hf_config, dtype)
+    _load_dense(model, header, hf_config, dtype)
+    found = find_experts(model)
+    if len(found) != len(header.moe_blocks):
+        raise ValueError(f"{header.paths[0].name}: the model has {len(found)} MoE layers but the file "
+                         f"has experts in {len(header.moe_blocks)} blocks")
+    codec = expert_codec(header, dtype)
+    mode, reason = host_mode(config.host_memory, header, device)
+    hosts = [QuantExperts(_part_tensors(header.experts[block], mode), codec, mode, reason)
+             for block in header.moe_blocks]
+    for _, module in found:  # the empty (meta) expert parameters: the cache serves them
+        for name, _ in list(module.named_parameters(recurse=False)):
+            delattr(module, name)
+    return model.eval(), found, hosts, header
+
+
+def expert_codec(header: GgufModel, dtype: torch.dtype) -> Codec:
+    """How one expert's GGUF tensors become gate_up_proj / down_proj (and biases)."""
+    first = header.first_layer
+    parts = tuple(Part(name, ref.fmt, ref.shape[1:]) for name, ref in sorted(first.items()))
+    join = "interleave" if header.arch in _INTERLEAVED else "concat"
+    kinds = []
+    for suffix, proj in (("weight", "gate_up_proj"), ("bias", "gate_up_proj_bias")):
+        if f"gate_up.{suffix}" in first:
+            kinds.append(Kind(proj, "one", (f"gate_up.{suffix}",)))
+        elif f"gate.{suffix}" in first:
+            kinds.append(Kind(proj, join, (f"gate.{suffix}", f"up.{suffix}")))
+    kinds.append(Kind("down_proj", "one", ("down.weight",)))
+    if "down.bias" in first:
+        kinds.append(Kind("down_proj_bias", "one", ("down.bias",)))
+    return Codec(parts, tuple(kinds), dtype)
+
+
+def host_mode(choice: str, header: GgufModel, device: torch.device) -> tuple[str, str]:
+    """Where the expert bytes live on the host ('pinned', 'copy' or 'mmap') and why."""
+    from ..runtime.engine import free_memory
+
+    total, free = header.experts_bytes, free_memory(torch.device("cpu"))
+    need = f"the experts take {format_size(total)}"
+    have = "unknown" if free is None else format_size(free)
+    cuda = device.type == "cuda"
+    if choice == "mmap":
+        return "mmap", f"host_memory='mmap' asked for; {need}, read through the OS page cache"
+    if choice == "copy":
+        if free is not None and total > free:
+            raise ValueError(f"host_memory='copy': {need} but only {have} of RAM is free; use "
+                             "host_memory='mmap' (the OS page cache then holds what fits)")
+        return ("pinned" if cuda else "copy"), f"host_memory='copy' asked for; {need}"
+    if not cuda:
+        return "mmap", (f"no CUDA device, so nothing to pin: the slot pool copies straight from the "
+                        f"memory-mapped file ({need})")
+    if free is not None and total > 0.8 * free:
+        return "mmap", (f"{need}, more than 80% of the {have} of free RAM: read from the memory-mapped "
+                        "file, the OS page cache is the middle tier")
+    return "pinned", f"{need} and fit in the {have} of free RAM: pinned copies, full-speed DMA"
+
+
+def _hf_config(header: GgufModel):
+    """transformers' config mapping, corrected by the tensor shapes it does not read."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    values = dict(load_gguf_checkpoint(str(header.paths[0]), return_tensors=False)["config"])
+    # transformers 5.24 ignores expert_feed_forward_length (and the shared expert's size)
+    if header.model_type == "gpt_oss":
+        values["intermediate_size"] = header.expert_ff
+    else:
+        values["moe_intermediate_size"] = header.expert_ff
+    shared = header.tensors.get(f"blk.{header.moe_blocks[0]}.ffn_gate_shexp.weight")
+    if shared is not None:
+        values["shared_expert_intermediate_size"] = shared.shape[0]
+    # transformers looks for output.weight in the first file only; in a split model it may be in another
+    values["tie_word_embeddings"] = "output.weight" not in header.tensors
+    embed = header.tensors.get("token_embd.weight")
+    if embed is not None:
+        values["vocab_size"] = embed.shape[0]
+    values.pop("model_type", None)
+    return AutoConfig.for_model(header.model_type, **values)
+
+
+def _empty_model(hf_config, dtype: torch.dtype):
+    """The model without allocating weights (buffers such as rotary tables stay real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype) -> None:
+    """Dequantize every non-expert tensor and assign it under its transformers name."""
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    processor = TENSOR_PROCESSORS.get(header.arch, TensorProcessor)(config=hf_config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    state = {}
+    for name, ref in header.tensors.items():
+        if _EXPERT.match(name):
+            continue
+        weights = _dequantized(ref).numpy()
+        result = processor.process(weights=weights, name=name, tensor_key_mapping=names,
+                                   parsed_parameters={"tensors": {}})
+        if result.name in names:
+            state[names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
+    expert_params = {f"{n}.{p}" for n, m in model.named_modules() for p, _ in m.named_parameters(recurse=False)
+                     if ".experts" in n or n.endswith("experts")}
+    missing = set(model.load_state_dict(state, strict=False, assign=True).missing_keys) - expert_params
+    if getattr(hf_config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"{header.paths[0].name}: tensors missing for {len(missing)} model weights "
+                         f"({', '.join(sorted(missing)[:4])}{', ...' if len(missing) > 4 else ''}); "
+                         "the file does not match transformers' layout for this architecture")
+
+
+def _dequantized(ref: TensorRef) -> torch.Tensor:
+    """A (small, non-expert) tensor as float32, read from the file."""
+    data = np.fromfile(ref.file, dtype=np.uint8, count=ref.nbytes, offset=ref.offset)
+    return dequantize(torch.from_numpy(data), ref.fmt, ref.shape, torch.float32)
+
+
+def _part_tensors(parts: dict[str, TensorRef], mode: str) -> dict[str, torch.Tensor]:
+    """One layer's expert tensors as [E, bytes per expert] uint8: file views or copies."""
+    out = {}
+    for name, ref in parts.items():
+        experts = ref.shape[0]
+        # copy-on-write mapping: torch gets a writable view without reading or copying the file
+        view = np.memmap(ref.file, dtype=np.uint8, mode="c", offset=ref.offset,
+                         shape=(experts, ref.nbytes // experts))
+        tensor = torch.from_numpy(view)
+        if mode != "mmap":
+            tensor = tensor.pin_memory() if mode == "pinned" else tensor.clone()
+        out[name] = tensor
+    return out
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer stored in the GGUF metadata (transformers converts it)."""
+    from transformers import AutoTokenizer
+
+    header_path = read_header(path).paths[0]
+    try:
+        return AutoTokenizer.from_pretrained(header_path.parent, gguf_file=header_path.name)
+    except (KeyError, ValueError, OSError) as err:
+        raise ValueError(f"{path}: no usable tokenizer in the GGUF metadata (tokenizer.ggml.*: {err}); "
+                         "use a GGUF converted with its tokenizer") from None

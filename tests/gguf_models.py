@@ -1,0 +1,158 @@
+"""Tiny GGUF MoE models written with gguf-py's writer, for tests (nothing is downloaded).
+
+``write_gguf(path, family, expert_type)`` builds a random transformers model of the family,
+writes it the way llama.cpp's converter lays it out (``blk.N.ffn_{gate,up,down}_exps``
+``[E, rows, cols]``, everything else F32) with the experts in ``expert_type``, and a
+byte-level BPE tokenizer in the file's metadata. The expert FF size (384) is not the
+architecture's default, on purpose: transformers' qwen3moe config mapping ignores
+``expert_feed_forward_length`` (CONTEXT.md), and the loader must read it from the shapes.
+K-quants need rows that are multiples of 256: hidden 256, expert FF 512.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from quant_fixtures import random_blocks
+
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss"}
+HIDDEN, EXPERT_FF, EXPERTS, TOP_K, LAYERS = 256, 512, 8, 2, 2
+_QUANTIZABLE = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "BF16", "F16", "F32"}
+
+
+def tokenizer_lists() -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, two specials."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "a n"]
+    tokens = symbols + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_start|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]  # 1 normal, 3 control
+    return tokens, types, merges
+
+
+def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EXPERTS):
+    import transformers as tf
+
+    common = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=vocab, max_position_embeddings=256, num_experts_per_tok=TOP_K,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  bos_token_id=vocab - 2, eos_token_id=vocab - 2)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, intermediate_size=768, moe_intermediate_size=EXPERT_FF,
+                                 num_experts=experts, decoder_sparse_step=1, head_dim=64, norm_topk_prob=True)
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**common, intermediate_size=768, moe_intermediate_size=EXPERT_FF,
+                                 shared_expert_intermediate_size=256, num_experts=experts,
+                                 decoder_sparse_step=1)
+    raise ValueError(f"no GGUF fixture for {family!r}")
+
+
+def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = EXPERTS):
+    import transformers as tf
+
+    tokens, _, _ = tokenizer_lists()
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, len(tokens), layers, experts),
+                                                dtype=torch.float32)
+    with torch.no_grad():  # varied routing, so that tokens spread over the experts
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 2.0)
+    return model.eval()
+
+
+def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "Q8_0", seed: int = 0,
+               layers: int = LAYERS, down_type: str | None = None, tokenizer: bool = True,
+               experts: int = EXPERTS, split_max_tensors: int = 0) -> Path:
+    """Write a tiny ``family`` model as GGUF with experts in ``expert_type`` (down in ``down_type``).
+
+    ``split_max_tensors`` > 0 writes a split model (``path`` gets ``-0000N-of-0000M``) and
+    returns its first part.
+    """
+    path = Path(path)
+    model = tiny_model(family, seed, layers, experts)
+    cfg = model.config
+    arch = ARCH[family]
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    _metadata(writer, cfg, arch, tokenizer)
+    rng = np.random.default_rng(seed)
+    names = gguf.get_tensor_name_map(_arch_enum(arch), cfg.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if ".experts." in hf_name:
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        gguf_name = names.get_name(base)
+        if gguf_name is None:
+            raise KeyError(f"no GGUF name for {hf_name}")
+        data = tensor.float().numpy()
+        if "shared_expert_gate" in base:
+            data = data.reshape(-1)  # llama.cpp stores it as a vector
+        writer.add_tensor(f"{gguf_name}.{suffix}", data)
+    for layer in range(cfg.num_hidden_layers):
+        experts = model.model.layers[layer].mlp.experts
+        gate_up = experts.gate_up_proj.detach().float().numpy()  # [E, 2I, H]
+        inter = gate_up.shape[1] // 2
+        parts = {"gate": gate_up[:, :inter], "up": gate_up[:, inter:],
+                 "down": experts.down_proj.detach().float().numpy()}  # [E, H, I]
+        for kind, data in parts.items():
+            qtype = down_type if (kind == "down" and down_type) else expert_type
+            _add_expert_tensor(writer, f"blk.{layer}.ffn_{kind}_exps.weight", data, qtype, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if split_max_tensors:
+        return next(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
+    return path
+
+
+def _arch_enum(arch: str):
+    return next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+
+
+def _metadata(writer, cfg, arch: str, tokenizer: bool) -> None:
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
+                              else cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if hasattr(cfg, "head_dim"):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if tokenizer:
+        tokens, types, merges = tokenizer_lists()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(len(tokens) - 2)
+        writer.add_eos_token_id(len(tokens) - 2)
+        writer.add_add_bos_token(False)
+
+
+def _add_expert_tensor(writer, name: str, data: np.ndarray, qtype: str, rng) -> None:
+    """Quantize with gguf-py where it can; K-quants and IQ types get valid random blocks."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype == "F32":
+        writer.add_tensor(name, data.astype(np.float32))
+    elif qtype in _QUANTIZABLE:
+        writer.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), kind), raw_dtype=kind)
+    else:
+        E, rows, cols = data.shape
+        blocks = random_blocks(qtype, E * rows, cols, rng).reshape(E, rows, -1)
+        writer.add_tensor(name, blocks, raw_dtype=kind)

@@ -1,0 +1,239 @@
+"""GGUF MoE models through the cache equal transformers' own GGUF loading of the same file.
+
+transformers dequantizes every tensor at load (gguf-py's numpy dequantizer); the cache
+keeps the experts in their blocks and dequantizes them with torch on use or on load.
+Logits must agree within 1e-4 (float32) and greedy tokens exactly, for each expert
+type, slot format, miss path and partition.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import expertcache
+from expertcache.ggufmodel.header import read_header
+from gguf_models import EXPERT_FF, write_gguf
+
+PROMPT = torch.tensor([[5, 9, 77, 120, 3, 44, 200, 17]])
+TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
+
+
+def reference(path):
+    """transformers' own GGUF loading, with the expert FF size its qwen3moe mapping does not read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    values = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    assert values.get("moe_intermediate_size", 768) != EXPERT_FF  # the trap is still there: keep the fix
+    values["moe_intermediate_size"] = EXPERT_FF
+    config = AutoConfig.for_model(**values)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config).eval()
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def gguf_file(request, tmp_path_factory):
+    path = write_gguf(tmp_path_factory.mktemp(request.param) / "tiny.gguf", "qwen3_moe", request.param)
+    ref = reference(path)
+    with torch.no_grad():
+        logits = ref(PROMPT).logits
+        tokens = ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    return path, logits, tokens
+
+
+@pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
+@pytest.mark.parametrize("miss,partition", [("fetch", "global"), ("cpu", "per-layer"), ("auto", "global"),
+                                            ("fetch", "per-layer")])
+def test_gguf_equals_transformers(gguf_file, slot_format, miss, partition):
+    path, logits, tokens = gguf_file
+    model = expertcache.offload(path, slots=6, slot_format=slot_format, miss=miss, partition=partition)
+    with torch.no_grad():
+        got = model(PROMPT).logits
+        out = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    assert (got - logits).abs().max().item() <= 1e-4
+    assert torch.equal(out, tokens)
+    stats = model.expertcache.stats()
+    assert stats.total().misses > 0 and stats.total().hits > 0  # the cache was exercised, not bypassed
+    summary = model.expertcache.summary()
+    assert summary["slot_format"] == slot_format and summary["host_memory"] == "mmap"
+
+
+def test_quantized_bytes_cross_and_fill_slots(tmp_path):
+    """Slots and copies are counted in stored bytes: 3.x times fewer than the float32 expert."""
+    path = write_gguf(tmp_path / "q4k.gguf", "qwen3_moe", "Q4_K", down_type="Q6_K")
+    header = read_header(path)
+    expected = sum(header.first_layer[p].nbytes // 8 for p in ("gate.weight", "up.weight", "down.weight"))
+    assert header.expert_bytes == expected == 2 * 512 * 144 + 256 * 2 * 210  # Q4_K 144 B, Q6_K 210 B / 256
+    quantized = expertcache.offload(path, slots=6, slot_format="quantized")
+    dequantized = expertcache.offload(path, slots=6, slot_format="dequantized")
+    f32_expert = 3 * 256 * 512 * 4
+    assert quantized.expertcache.pool.slot_bytes == (6 + 2) * expected
+    assert dequantized.expertcache.pool.slot_bytes == (6 + 2) * f32_expert
+    with torch.no_grad():
+        quantized.generate(PROMPT, max_new_tokens=4, do_sample=False)
+    stats = quantized.expertcache.stats()
+    assert stats.h2d_bytes() == stats.total().misses * expected  # fetch: every miss moves its stored bytes
+
+
+def test_budget_counts_the_slot_format(tmp_path):
+    path = write_gguf(tmp_path / "q4.gguf", "qwen3_moe", "Q4_0", experts=32)
+    budget = 16 * 2 ** 20
+    q = expertcache.offload(path, gpu_memory=budget, slot_format="quantized").expertcache
+    d = expertcache.offload(path, gpu_memory=budget, slot_format="dequantized").expertcache
+    assert q.pool.slot_bytes + q.pool.scratch_bytes <= budget
+    assert d.pool.slot_bytes + d.expert_bytes <= budget
+    assert q.pool.slots > 3 * d.pool.slots  # Q4_0: 18 bytes per 32 weights against 128 in float32
+
+
+def test_baselines_move_quantized_bytes(tmp_path):
+    path = write_gguf(tmp_path / "q8.gguf", "qwen3_moe", "Q8_0")
+    ref = reference(path)
+    with torch.no_grad():
+        want = ref.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    for baseline in ("resident", "copy-every-pass", "cpu"):
+        model = expertcache.offload(path, baseline=baseline)
+        with torch.no_grad():
+            assert torch.equal(model.generate(PROMPT, max_new_tokens=6, do_sample=False), want), baseline
+        stats, cache = model.expertcache.stats(), model.expertcache
+        if baseline == "copy-every-pass":  # every routed expert of every step crosses, in stored bytes
+            assert stats.h2d_bytes() == stats.total().accesses * cache.expert_bytes
+        else:
+            assert stats.h2d_bytes() == 0
+
+
+def test_split_gguf_equals_single_file(tmp_path):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "split").mkdir()
+    single = write_gguf(tmp_path / "one" / "m.gguf", "qwen3_moe", "Q8_0")
+    first = write_gguf(tmp_path / "split" / "m.gguf", "qwen3_moe", "Q8_0", split_max_tensors=10)
+    assert first.name.startswith("m-00001-of-0000")
+    assert len(read_header(first).paths) > 1
+    a = expertcache.offload(single, slots=6)
+    b = expertcache.offload(first, slots=6)
+    with torch.no_grad():
+        assert torch.equal(a(PROMPT).logits, b(PROMPT).logits)
+
+
+def test_tokenizer_from_the_gguf(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0")
+    from expertcache.integrations.transformers import load_tokenizer
+
+    tok = load_tokenizer(path)
+    ids = tok("the cat").input_ids
+    assert tok.decode(ids) == "the cat" and len(ids) < len("the cat")  # merges applied
+
+
+def test_qwen2moe_with_shared_expert(tmp_path):
+    path = write_gguf(tmp_path / "q2.gguf", "qwen2_moe", "Q8_0")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    values = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    values.update(moe_intermediate_size=EXPERT_FF, shared_expert_intermediate_size=256)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                               config=AutoConfig.for_model(**values)).eval()
+    model = expertcache.offload(path, slots=6)
+    with torch.no_grad():
+        assert (model(PROMPT).logits - ref(PROMPT).logits).abs().max().item() <= 1e-4
+
+
+# -- bad input: one clear line, nothing half-loaded ---------------------------------------
+def _write(path, arch, tensors, **kv):
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in kv.items():
+        writer.add_uint32(key, value)
+    for name, (data, raw) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_dense_gguf_is_refused(tmp_path):
+    path = _write(tmp_path / "dense.gguf", "llama", {"blk.0.ffn_up.weight": (np.zeros((8, 32), np.float32), None)})
+    with pytest.raises(ValueError, match="dense model .*'llama'"):
+        expertcache.offload(path, slots=4)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = _write(tmp_path / "ds.gguf", "deepseek2",
+                  {"blk.0.ffn_gate_exps.weight": (np.zeros((4, 8, 32), np.float32), None)},
+                  **{"deepseek2.expert_count": 4})
+    with pytest.raises(ValueError, match="'deepseek2' \\(4 experts\\) is not supported.*qwen3moe"):
+        expertcache.offload(path, slots=4)
+
+
+def test_expert_type_that_cannot_be_dequantized_is_named(tmp_path):
+    kind = gguf.GGMLQuantizationType.TQ1_0
+    elems, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    raw = np.zeros((4, 8, 256 // elems * nbytes), np.uint8)
+    tensors = {f"blk.0.ffn_{p}_exps.weight": (raw, kind) for p in ("gate", "up")}
+    tensors["blk.0.ffn_down_exps.weight"] = (np.zeros((4, 256, 8), np.float32), None)
+    path = _write(tmp_path / "tq.gguf", "qwen3moe", tensors, **{"qwen3moe.expert_used_count": 2})
+    with pytest.raises(ValueError, match="TQ1_0 cannot be dequantized"):
+        expertcache.offload(path, slots=4)
+
+
+def test_truncated_gguf(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", "qwen3_moe", "Q8_0")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match="truncated"):
+        expertcache.offload(path, slots=4)
+    path.write_bytes(data[:100])
+    with pytest.raises(ValueError, match="not a readable GGUF|truncated"):
+        expertcache.offload(path, slots=4)
+
+
+def test_split_gguf_with_a_missing_part(tmp_path):
+    first = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0", split_max_tensors=10)
+    last = sorted(tmp_path.glob("m-*.gguf"))[-1]
+    last.unlink()
+    with pytest.raises(ValueError, match=f"parts missing \\({last.name}\\)"):
+        expertcache.offload(first, slots=4)
+    with pytest.raises(ValueError, match="give the first part"):
+        expertcache.offload(sorted(tmp_path.glob("m-*.gguf"))[1], slots=4)
+
+
+def test_imatrix_given_as_model(tmp_path):
+    from test_imatrix_reader import write_imatrix
+
+    path = write_imatrix(tmp_path / "imatrix.gguf")
+    with pytest.raises(ValueError, match="imatrix file, not a model"):
+        expertcache.offload(path, slots=4)
+
+
+def test_missing_gguf_path():
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        expertcache.offload("/nonexistent/model.gguf", slots=4)
+
+
+def test_capacity_below_top_k_counts_quantized_slots(tmp_path):
+    path = write_gguf(tmp_path / "q8.gguf", "qwen3_moe", "Q8_0")
+    with pytest.raises(ValueError, match="capacity below top-k"):
+        expertcache.offload(path, gpu_memory="1MiB", slot_format="dequantized")
+
+
+def test_loader_never_holds_dequantized_experts(tmp_path):
+    """Peak RSS of a load stays far below the experts' float32 size (measured in a fresh process)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = write_gguf(tmp_path / "big.gguf", "qwen3_moe", "Q4_0", experts=64, layers=4)
+    f32_experts = 4 * 64 * 3 * 256 * 512 * 4  # 402 MB dequantized; the file holds 57 MB of Q4_0
+    code = textwrap.dedent(f"""
+        import resource, torch, expertcache, transformers, accelerate
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        model = expertcache.offload({str(path)!r}, slots=16, slot_format="quantized", host_memory="copy")
+        print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = map(int, out.stdout.split()[-2:])
+    assert after - before < f32_experts / 3, (before, after)
