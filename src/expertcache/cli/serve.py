@@ -35,7 +35,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..integrations.transformers import check_model_path, load_tokenizer, offload
-    from ..serve.server import Server, ServeSettings
+
+    try:
+        from ..serve.server import Server, ServeSettings
+    except ImportError as err:  # the web stack is an optional extra
+        raise ValueError(f"expertcache serve needs the 'serve' extra: pip install 'expertcache[serve]' "
+                         f"({err.name or err} is missing)") from None
 
     settings = ServeSettings(model_name=args.model_name or Path(args.model).resolve().name, host=args.host,
                              port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
