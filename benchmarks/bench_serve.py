@@ -211,7 +211,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": tf.__version__,
-                       "torch_threads": args.threads},
+                       "torch_threads": args.threads, "load_average_before": os.getloadavg()},
            "settings": {"model": "qwen3_moe hidden 256, 4 MoE layers, 32 experts, top-4, moe FF 256, fp32",
                         "cache": "64 of 128 experts in slots, default policy, miss fetch, device cpu",
                         "max_tokens": args.max_tokens, "prompt_tokens": args.prompt,
@@ -249,6 +249,7 @@ def main() -> None:
                       f"decode {row['decode_tok_s_median'] or 0:.1f} tok/s per request, latency "
                       f"{row['latency_s_median']:.2f} s, complete {row['complete']}, errors {len(row['errors'])}")
         out["servers"] += [{"server": name, "skipped": why} for name, why in skipped.items()]
+    out["machine"]["load_average_after"] = os.getloadavg()  # a shared machine: other jobs ran too
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.json}")
