@@ -136,3 +136,19 @@ def test_cli_chat_without_a_template_says_so(tmp_path, capsys):
     save_checkpoint(tiny_model("mixtral"), tmp_path)  # its tokenizer has no chat template
     assert main(["generate", str(tmp_path), "--prompt", "w1", "--chat", "--slots", "5"]) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_finish_reasons_stop_at_the_end_token_length_at_the_limit():
+    from expertcache.runtime.generate import run_generation
+
+    model = expertcache.offload(tiny_model("mixtral"), slots=6)
+    tok = chat_tokenizer()
+    ids = tok("w1 w2 w3").input_ids
+    full = run_generation(model, tok, ids, 8)
+    assert full.finish_reason == "length" and len(full.token_ids) == 8
+    eos = full.token_ids[2]  # this token now ends the answer, where it first comes
+    model.generation_config.eos_token_id = eos
+    ended = run_generation(model, tok, ids, 8)
+    assert ended.finish_reason == "stop" and ended.token_ids == full.token_ids[:full.token_ids.index(eos) + 1]
+    cut = run_generation(model, tok, ids, 8, cancelled=lambda: True)  # a client that left at once
+    assert cut.finish_reason == "cancelled" and len(cut.token_ids) == 1

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from ..runtime.generate import encode
 from . import schemas
 from .errors import APIError
-from .responses import DONE, Shape, sse
+from .responses import DONE, Shape, finish_reason, sse
 from .telemetry import Telemetry
 from .worker import Job, Worker
 
@@ -138,7 +138,7 @@ async def _stream(job: Job, shape: Shape, include_usage: bool):
                 yield sse(value.body())
                 return
             else:
-                yield shape.chunk(reason="length" if value.finish_reason == "cancelled" else value.finish_reason)
+                yield shape.chunk(reason=finish_reason(value))
                 if include_usage:
                     yield shape.usage_chunk(value)
                 yield DONE

@@ -22,7 +22,7 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def full(self, gen: Generation) -> dict:
-        reason = _reason(gen)
+        reason = finish_reason(gen)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "finish_reason": reason}
         else:
@@ -49,7 +49,8 @@ def usage(gen: Generation) -> dict:
             "total_tokens": gen.prompt_tokens + done, "expertcache": usage_block(gen.summary)}
 
 
-def _reason(gen: Generation) -> str:
+def finish_reason(gen: Generation) -> str:
+    """OpenAI's reasons: a cut-short answer (its client left) reads as 'length'."""
     return "length" if gen.finish_reason == "cancelled" else gen.finish_reason
 
 
