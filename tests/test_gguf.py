@@ -60,6 +60,8 @@ def test_gguf_equals_transformers(gguf_file, slot_format, miss, partition):
     assert stats.total().misses > 0 and stats.total().hits > 0  # the cache was exercised, not bypassed
     summary = model.expertcache.summary()
     assert summary["slot_format"] == slot_format and summary["host_memory"] == "mmap"
+    assert stats.pool["host_memory"] == "mmap" and "no CUDA" in stats.pool["host_memory_reason"]
+    assert stats.to_dict()["pool"]["bytes_per_load"] == model.expertcache.expert_bytes
 
 
 def test_quantized_bytes_cross_and_fill_slots(tmp_path):
