@@ -10,7 +10,8 @@ from pathlib import Path
 def add_parser(sub) -> None:
     p = sub.add_parser("imatrix", help="what an imatrix (or trace, popularity JSON, .npy) says about "
                                        "each layer's experts, and which to place on the GPU",
-                       description="Per-layer coverage (hottest share, experts for 50%%/90%% of routed "
+                       # argparse %-formats help strings but prints a description as written
+                       description="Per-layer coverage (hottest share, experts for 50%/90% of routed "
                                    "tokens, hot list) and a placement plan: the (layer, expert) pairs "
                                    "to pin for a slot budget, shared across layers by concentration.")
     p.add_argument("file", help="imatrix .gguf (legacy .dat is explained), trace .npz, popularity .json or .npy")

@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+DESCRIPTION = ("Measure this machine for the cost model: CPU matmul rate and host memory "
+               "bandwidth (numpy), and with CUDA the pinned host-to-device and device memory "
+               "bandwidth (torch). What cannot be measured here comes from the --base preset. "
+               "Prints the profile as JSON; 'sim --hardware FILE' and 'bench --hardware FILE' read it.")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("probe", help="measure CPU matmul rate, memory and PCIe bandwidth "
-                                     "into a profile for 'sim --hardware FILE'")
+                                     "into a profile for 'sim --hardware FILE'",
+                       description=DESCRIPTION)
     p.add_argument("-o", "--output", metavar="FILE", help="write the profile JSON here")
     p.add_argument("--base", default="pcie4-consumer",
                    help="preset supplying what cannot be measured (GPU figures without CUDA)")
