@@ -128,3 +128,16 @@ def test_run_record_cli_path(plain, tmp_path):
     args.prompt = None
     with pytest.raises(FileNotFoundError, match="prompt file"):
         run_record(args)
+
+
+def test_a_checkpoint_without_tokenizer_files_says_so(plain, tmp_path, capsys):
+    """transformers would build an empty tokenizer from config.json; the prompt then encodes
+    to no tokens and recording failed with 'cannot reshape tensor of 0 elements'."""
+    from expertcache.cli import main
+
+    plain.save_pretrained(tmp_path / "ckpt")  # weights only, no tokenizer
+    code = main(["trace", "record", str(tmp_path / "ckpt"), "--prompt", "w1 w2", "-o",
+                 str(tmp_path / "t.npz")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no tokenizer in the checkpoint directory" in err, err
+    assert not (tmp_path / "t.npz").exists()
