@@ -13,7 +13,7 @@ import torch
 
 from expertcache.bench.live import Inputs, build_cache, run_strategy
 from expertcache.bench.model import BenchShape, experts_module, host_experts
-from expertcache.bench.phases import bounds, ms_per_token
+from expertcache.decode_phases import bounds, ms_per_token
 from expertcache.bench.report import document, predicted_ms, row, verdict
 from expertcache.bench.run import run_bench
 from expertcache.bench.strategies import Strategy, plan

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import platform
 
+from ..decode_phases import ms_per_token
 from ..sim.costmodel import ExpertCost, Hardware, token_time
-from .phases import ms_per_token
 from .strategies import OPTIMUM
 
 

@@ -6,14 +6,16 @@ Over the N decode tokens of a run, in order:
 * warm-up: tokens ``16 .. N/4 - 1`` (the cache fills, hit rate still rising);
 * steady: tokens ``N/4 .. N - 1`` (the figure that decides throughput).
 
-A phase with no tokens (short runs) reports None. Torch-free.
+A phase with no tokens (short runs) reports None. Torch-free and at the bottom of the
+package, so the bench (``bench/``) and ``generate`` (``runtime/generate.py``) split a run
+the same way from one definition.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-COLD_TOKENS = 16
+COLD_TOKENS = 16  # the cache starts empty: these decode tokens mostly miss
 PHASES = ("cold", "warm", "steady")
 
 
