@@ -45,3 +45,23 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--json", "{missing}/b.json"],
+    ["bench", "--plot", "{missing}/b.png"],
+    ["imatrix", "{absent}", "--json", "{missing}/i.json"],
+    ["imatrix", "{absent}", "--plot", "{missing}/i.png"],
+    ["probe", "-o", "{missing}/hw.json"],
+    ["demo", "--out", "{missing}/demo"],
+], ids=lambda argv: " ".join(argv[:2]))
+def test_an_output_into_a_missing_folder_fails_first(argv, tmp_path, capsys):
+    """One rule everywhere (cli/paths.py): the folder must exist, nothing creates it, and
+    the check comes before the run (the input here does not even exist)."""
+    from expertcache.cli import main
+
+    names = {"missing": str(tmp_path / "nope"), "absent": str(tmp_path / "absent.gguf")}
+    assert main([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert f"folder {tmp_path / 'nope'} does not exist" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "nope").exists()

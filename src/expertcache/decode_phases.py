@@ -37,3 +37,15 @@ def ms_per_token(seconds: Sequence[float]) -> dict[str, float | None]:
 
 def steady_start(n: int) -> int:
     return bounds(n)["steady"].start
+
+
+def steady_blocks(seconds: Sequence[float], blocks: int = 4) -> list[float]:
+    """Mean ms per token of ``blocks`` consecutive equal parts of the steady phase.
+
+    One mean hides how much it moved: on a shared CPU two strategies a few percent apart
+    swap places between runs. The blocks' range is the spread a verdict must clear
+    before it calls one strategy faster than another."""
+    steady = list(seconds)[steady_start(len(seconds)):]
+    n = min(blocks, len(steady))
+    edges = [round(i * len(steady) / n) for i in range(n + 1)] if n else []
+    return [1e3 * sum(steady[a:b]) / (b - a) for a, b in zip(edges, edges[1:])]

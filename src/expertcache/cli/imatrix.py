@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from .paths import check_output
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("imatrix", help="what an imatrix (or trace, popularity JSON, .npy) says about "
@@ -32,6 +34,8 @@ def run(args) -> int:
 
     if args.hot < 0:
         raise ValueError(f"--hot must be >= 0, got {args.hot}")
+    check_output(args.json, "--json")
+    check_output(args.plot, "--plot")
     counts = load_counts(Path(args.file), args.kind)
     report = build_report(counts, plan_slots(counts, args.slots, args.fraction), args.top_k, args.hot)
     if args.json == "-":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+from .paths import check_output
+
 DESCRIPTION = ("Measure this machine for the cost model: CPU matmul rate and host memory "
                "bandwidth (numpy), and with CUDA the pinned host-to-device and device memory "
                "bandwidth (torch). What cannot be measured here comes from the --base preset. "
@@ -27,6 +29,7 @@ def run(args) -> int:
 
     if args.seconds <= 0:
         raise ValueError(f"--seconds must be positive, got {args.seconds}")
+    check_output(args.output, "-o")
     hw, report = probe(args.base, args.seconds)
     print(json.dumps({**asdict(hw), **report}, indent=2))
     if args.output:
