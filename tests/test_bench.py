@@ -133,7 +133,7 @@ def test_phases_split_decode_tokens():
     assert ms_per_token([0.001] * 8)["steady"] is None
 
 
-def test_json_rows_follow_the_issue_schema(result):
+def test_json_rows_follow_the_documented_schema(result):
     doc = document(result, [row(r, result) for r in result.runs])
     for key in ("model", "layers", "top_k", "num_experts", "expert_bytes", "tokens", "device", "results"):
         assert key in doc

@@ -1,4 +1,4 @@
-"""Bench results as JSON rows (issue 7 schema), cost-model predictions, machine description.
+"""Bench results as JSON rows (fields in docs/bench.md), cost-model predictions, machine description.
 
 Per-token figures count decode tokens only. ``h2d_bytes_per_token`` is expert bytes
 copied into slots per decode token; ``slot_bytes`` the memory the pool holds.
@@ -42,7 +42,8 @@ def predicted_ms(run, shape, hw: Hardware | None, staging: Hardware | None = Non
 
 
 def row(run, result) -> dict:
-    """One ``results`` entry: the issue's fields plus tok/s, prediction and time breakdown."""
+    """One ``results`` entry: counts, bytes, ms per phase, tok/s with its timing blocks, the
+    prediction and the time breakdown (docs/bench.md, "Output")."""
     s, shape = run.strategy, result.shape
     n = len(run.seconds)
     ms = ms_per_token(run.seconds) if n else {"cold": None, "warm": None, "steady": None}
