@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-COLD_TOKENS = 16
+from ..decode_phases import COLD_TOKENS
 
 
 class _Clock:
