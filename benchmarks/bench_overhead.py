@@ -26,7 +26,7 @@ import torch
 import transformers as tf
 
 from expertcache import offload
-from expertcache.runtime.generate import _Clock
+from expertcache.runtime.clock import ForwardClock
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_overhead.json"
 
@@ -47,9 +47,10 @@ def build(intermediate: int, seed: int = 0):
 
 
 def decode_seconds_per_token(model, ids, tokens: int) -> tuple[float, torch.Tensor]:
-    clock = _Clock()
+    clock = ForwardClock.of(model)  # the clock generate and serve report from
+    clock.start()
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, streamer=clock)
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False)
     steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]  # decode steps only
     return statistics.median(steps), out
 
