@@ -140,7 +140,10 @@ class ExpertCache:
         return self.pool.slot_bytes
 
     def stats(self) -> LiveStats:
-        return LiveStats(self.table.stats(), self.h2d)
+        mode, reason = self.host_mode
+        return LiveStats(self.table.stats(), self.h2d, {
+            "slot_format": self.slot_format, "bytes_per_slot": self.cost.slot_bytes(self.slot_format),
+            "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason})
 
     def reset_stats(self) -> None:
         self.table.reset_stats()

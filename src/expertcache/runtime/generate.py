@@ -1,7 +1,7 @@
 """Generate with a model (offloaded or not) and measure it: what ``generate`` and ``serve`` report.
 
 Phases: prefill is the prompt's forward (until the first new token); the decode steps
-after it split as the bench splits them (``bench/phases.py``): *cold* (the first 16,
+after it split as the bench splits them (``decode_phases.py``): *cold* (the first 16,
 while the cache warms up), *warm* (to N/4) and *steady* (the rest). Times and counters
 come from the model's ``ForwardClock`` (forward hooks), so ``generate``, ``serve`` and
 ``model.expertcache.report()`` measure alike.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..bench.phases import COLD_TOKENS, bounds  # noqa: F401  (COLD_TOKENS: one definition, re-exported)
+from ..decode_phases import COLD_TOKENS, bounds  # noqa: F401  (COLD_TOKENS: one definition, re-exported)
 from .clock import ForwardClock
 from .sampling import Sampling
 
@@ -172,8 +172,8 @@ def format_summary(summary: dict) -> str:
                          f"{'-' if per_tok is None else format_size(per_tok)} per decode token"),
                  ("slot pool", f"{c['slots']} slots + {c['staging']} staging = "
                                f"{format_size(c['slot_bytes'])} on {c['device']} "
-                               f"(expert {format_size(c['expert_bytes'])}"
-                               f"{', ' + '/'.join(c['quant']) + ' in ' + c['slot_format'] + ' slots' if c['quant'] else ''})"),
+                               f"({format_size(c['bytes_per_slot'])} per slot, {format_size(c['expert_bytes'])} "
+                               f"per load{', ' + '/'.join(c['quant']) + ' in ' + c['slot_format'] + ' slots' if c['quant'] else ''})"),
                  ("host experts", f"{c['host_memory']}: {c['host_memory_reason']}"),
                  ("policy", policy_label(c["config"]))]
     return "\n".join(f"{label:<14}{value}" for label, value in rows)

@@ -9,11 +9,14 @@ from ..stats import DECODE, FIELDS, PREFILL, Stats, format_table, phase_code
 class LiveStats(Stats):
     """``Stats`` plus ``h2d_bytes`` per phase and layer (expert weights copied into slots)."""
 
-    def __init__(self, table_stats: Stats, h2d: list[list[int]]) -> None:
+    def __init__(self, table_stats: Stats, h2d: list[list[int]], pool: dict | None = None) -> None:
         raw = [[[getattr(table_stats.layer(layer, phase), f) for f in FIELDS]
                 for layer in range(table_stats.num_layers)] for phase in (PREFILL, DECODE)]
         super().__init__(raw)
         self._h2d = [list(row) for row in h2d]
+        # how the pool holds experts: slot format, bytes per slot and per load, where the host
+        # experts live ('pinned', 'copy' or 'mmap') and why
+        self.pool = dict(pool or {})
 
     def h2d_bytes(self, phase: int | str | None = None, layer: int | None = None) -> int:
         phases = (PREFILL, DECODE) if phase is None else (phase_code(phase),)
@@ -23,17 +26,24 @@ class LiveStats(Stats):
     def since(self, earlier: LiveStats) -> LiveStats:
         """Counters and bytes added after ``earlier`` (e.g. one request's share)."""
         h2d = [[now - before for now, before in zip(a, b)] for a, b in zip(self._h2d, earlier._h2d)]
-        return LiveStats(super().since(earlier), h2d)
+        return LiveStats(super().since(earlier), h2d, self.pool)
 
     def __str__(self) -> str:
         h2d = [format_size(self.h2d_bytes(p)) for p in (PREFILL, DECODE, None)]
-        return format_table(self.rows(), f"{self.num_layers} MoE layers; .layer(i, phase) for one layer, "
-                                         ".to_dict() for JSON", {"H2D": h2d})
+        table = format_table(self.rows(), f"{self.num_layers} MoE layers; .layer(i, phase) for one layer, "
+                                          ".to_dict() for JSON", {"H2D": h2d})
+        if not self.pool:
+            return table
+        p = self.pool
+        return (f"{table}\nslots: {p['slot_format']}, {format_size(p['bytes_per_slot'])} each, "
+                f"{format_size(p['bytes_per_load'])} per load; host experts: {p['host_memory']} "
+                f"({p['host_memory_reason']})")
 
     __repr__ = __str__
 
     def to_dict(self) -> dict:
         out = super().to_dict()
+        out["pool"] = self.pool
         out["total"]["h2d_bytes"] = self.h2d_bytes()
         out["prefill"]["h2d_bytes"] = self.h2d_bytes(PREFILL)
         out["decode"]["h2d_bytes"] = self.h2d_bytes(DECODE)

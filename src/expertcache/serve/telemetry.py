@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ..bench.phases import PHASES
+from ..decode_phases import PHASES
 from ..runtime.generate import Generation, policy_label
 
 
