@@ -200,3 +200,16 @@ def test_a_client_leaving_a_plain_request_cancels_it(server):
         time.sleep(0.01)
     made = httpx.get(srv.url + "/v1/expertcache/stats").json()["completion_tokens"] - before
     assert made < 64  # 0 when it was cancelled before it started
+
+
+def test_a_chat_template_refusing_the_messages_is_a_400(server, tokenizer):
+    srv, _ = server
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system "
+                               "messages') }}{% endif %}" + template)
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                       json={"model": NAME, "messages": MESSAGES, "max_tokens": 2})
+    finally:
+        tokenizer.chat_template = template
+    assert r.status_code == 400 and "no system messages" in r.json()["error"]["message"]

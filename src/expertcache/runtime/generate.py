@@ -34,7 +34,12 @@ def encode(tokenizer, prompt, chat: bool = False) -> list[int]:
             raise ValueError("this model's tokenizer has no chat template; send plain text "
                              "(generate without --chat, or /v1/completions)")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as err:  # e.g. a template that takes no system message
+            raise ValueError(f"the model's chat template refused these messages: {err}") from None
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(prompt).input_ids
