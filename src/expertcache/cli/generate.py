@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .options import add_cache_options, add_sampling_options, cache_config, sampling
+from .paths import check_output
 
 
 def add_parser(sub) -> None:
@@ -37,6 +38,7 @@ def run(args) -> int:
 
     prompt = args.prompt if args.prompt is not None else _read(args.prompt_file)
     config, how = cache_config(args), sampling(args)  # bad flags fail before the model loads
+    check_output(args.json, "--json")
     check_model_path(Path(args.model))
     tokenizer = load_tokenizer(args.model)
     model = offload(args.model, config=config).eval()
