@@ -32,7 +32,7 @@ slots. The Q4_K copy-every-pass uses the runtime's ``auto`` slot format (dequant
 the CPU, quantized on CUDA: the same dequantization work per expert either way).
 ``--repeats`` runs of every strategy, interleaved (the order rotates each repeat), so
 load from other processes spreads over all of them; the table gives the median steady
-ms/token and the min-max over repeats. Steady = decode tokens N/4 to N-1 (bench.phases).
+ms/token and the min-max over repeats. Steady = decode tokens N/4 to N-1 (decode_phases).
 
 Checks (the run exits 1 if one fails): H2D bytes = misses x stored expert bytes per cache
 (``L x k x`` per token for copy-every-pass, 0 for cpu; bench.checks, with the Q4_K stored
@@ -58,6 +58,14 @@ copy crosses PCIe at ~25-50 GB/s and dequantization runs at device memory bandwi
 (microseconds per expert). ``cpu`` rows here are not llama.cpp's ``--cpu-moe``, which
 computes on packed blocks without dequantizing. ``benchmarks/gpu_check.sh`` runs this
 script on CUDA at full size for the real answer.
+
+Measured here (benchmarks/results/bench_quantized_cpu.json, 2-core EPYC, 4 layers, 64 tokens):
+``dequantized`` slots 144.7 ms/token, Q4_K cpu 322, copy-every-pass 356, ``quantized`` slots
+1262 against bf16 31-47. ``quantized`` slots are 4x worse than copy-every-pass, which
+dequantizes as many experts per token: ``SlotPool.view`` decodes a step's 8 experts in one
+batch, and on this CPU one 8-expert decode takes ~300 ms against ~75 ms for 8 one-expert
+decodes (fp32 temporaries of ~150 MB per kind, far beyond the 32 MiB L3). On a GPU the batch
+is the right call (fewer launches); on the CPU the view should decode per expert.
 
     PYTHONPATH=src python benchmarks/bench_quantized.py --layers 4 --tokens 96 --repeats 3 \\
         --json benchmarks/results/bench_quantized_cpu.json --plot benchmarks/results/bench_quantized_cpu.png
@@ -87,12 +95,12 @@ from quant_fixtures import random_blocks  # noqa: E402
 from expertcache.bench.checks import run_checks  # noqa: E402
 from expertcache.bench.live import Inputs, pick_clock, run_strategy  # noqa: E402
 from expertcache.bench.model import BenchShape, experts_module, host_experts  # noqa: E402
-from expertcache.bench.phases import ms_per_token, steady_start  # noqa: E402
 from expertcache.bench.report import machine, predicted_ms  # noqa: E402
 from expertcache.bench.run import resolve_device  # noqa: E402
 from expertcache.bench.strategies import Strategy, default_policy  # noqa: E402
 from expertcache.bench.workload import load_workload  # noqa: E402
 from expertcache.config import CacheConfig  # noqa: E402
+from expertcache.decode_phases import ms_per_token, steady_start  # noqa: E402
 from expertcache.quant.formats import quant_format  # noqa: E402
 from expertcache.runtime import experts as experts_mod  # noqa: E402
 from expertcache.runtime.engine import ExpertCache  # noqa: E402
@@ -517,7 +525,7 @@ def main(argv=None) -> int:
                "cpu_mem_gbps": hw.cpu_mem_gbps, "layer_overhead_s": hw.layer_overhead_s,
                "cpu_dequant_gelems": hw_q.cpu_dequant_gelems},
            "phases": "steady: decode tokens N/4 to N-1", "results": rows, "checks": checks,
-           "seconds": time.time() - started}
+           "seconds": time.time() - started, "cpu_seconds": time.process_time()}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
