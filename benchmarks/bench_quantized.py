@@ -19,7 +19,7 @@ same trace slice and the same byte budget for the pool:
 Budget: what the bf16 cache with ``--fraction`` of all L x 128 experts takes, its top-k
 staging slots included (25%: 32 x L bf16 slots + 8). Every cache gets it as
 ``gpu_memory``, so the runtime's own sizing decides the slots: Q4_K ``quantized`` slots
-hold the stored bytes (3.1x more slots, less the per-step dequantization scratch),
+hold the stored bytes (about 3x more slots: 3.1x, less the per-step dequantization scratch),
 ``dequantized`` slots hold bf16 weights (as many as bf16, less one landing buffer).
 Compute dtype is bf16 in both arms (the GGUF loader's default on CUDA; on the CPU it
 defaults to fp32, which would halve the dequantized slots).
@@ -61,10 +61,10 @@ script on CUDA at full size for the real answer.
 
 Measured here (benchmarks/results/bench_quantized_cpu.json, 2-core EPYC, 4 layers, 64 tokens):
 ``dequantized`` slots 144.7 ms/token, Q4_K cpu 322, copy-every-pass 356, ``quantized`` slots
-1262 against bf16 31-47. ``quantized`` slots are 4x worse than copy-every-pass, which
+1262 against bf16 31-47. ``quantized`` slots are 3.5x worse than copy-every-pass, which
 dequantizes as many experts per token: ``SlotPool.view`` decodes a step's 8 experts in one
 batch, and on this CPU one 8-expert decode takes ~300 ms against ~75 ms for 8 one-expert
-decodes (fp32 temporaries of ~150 MB per kind, far beyond the 32 MiB L3). On a GPU the batch
+decodes (fp32 temporaries of 50-100 MB per kind, far beyond the 32 MiB L3). On a GPU the batch
 is the right call (fewer launches); on the CPU the view should decode per expert.
 
     PYTHONPATH=src python benchmarks/bench_quantized.py --layers 4 --tokens 96 --repeats 3 \\
