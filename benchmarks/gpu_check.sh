@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One check for a session that has the GPU machine (under 8 minutes):
 #   1. the CUDA tests (pytest -m gpu): pinned memory, copy stream + events, fixed slot
-#      addresses, one device->host sync per MoE layer step, exact logits on CUDA;
+#      addresses, one device->host sync per MoE layer step, exact logits on CUDA; the torch
+#      dequantizers bit for bit on CUDA and GGUF models in both slot formats (when present);
 #   2. pinned vs pageable host->device bandwidth;
 #   3. decode at real expert sizes (Qwen3-30B-A3B experts: hidden 2048, FF 768, 128 experts,
 #      top-8, bf16; 4 MoE layers to stay in time): resident / copy-every-pass / cpu baselines
@@ -33,8 +34,8 @@ fi
 export GPU_CHECK_DRY=$DRY
 
 GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py)
-[ -f tests/test_dequant_gpu.py ] && GPU_TESTS+=(tests/test_dequant_gpu.py)
-timeout 150 "$PY" -m pytest -m gpu "${GPU_TESTS[@]}" -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
+for t in tests/test_dequant_gpu.py tests/test_gguf_gpu.py; do [ -f "$t" ] && GPU_TESTS+=("$t"); done
+timeout 180 "$PY" -m pytest -m gpu "${GPU_TESTS[@]}" -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
 echo $? > "$OUT/pytest.rc"
 
 timeout 150 "$PY" - "$OUT" <<'PYEOF' > "$OUT/run.txt" 2>&1
