@@ -40,7 +40,9 @@ bytes); each cache's hits and misses equal ``expertcache sim``'s replay; every r
 strategy gives the same outputs and counts; within each precision every strategy's final
 hidden vectors equal copy-every-pass's: the pool strategies bit for bit (same bf16
 weights, the same looped matmul in the same rank order), ``cpu`` within float tolerance
-(it sums experts in another order); and the Q4_K host tier dequantizes exactly as
+(it sums experts in another order; 5% of the largest output, bench.checks' bf16 tolerance);
+on CUDA bit equality is recorded and the tolerance decides (the grouped matmul runs over
+pools of different sizes there); and the Q4_K host tier dequantizes exactly as
 ``gguf.quants.dequantize`` for one expert. The cost model (calibrated on this device with
 the bench's own code, plus the measured host dequantization rate) predicts every row.
 
@@ -303,8 +305,13 @@ def summarise(case: Case, stored_bytes: int, cpu: bool, pred: float | None) -> d
     return row
 
 
-def check_outputs(group: list[Case]) -> dict:
-    """Within one precision: repeats identical; pool strategies bit-equal to copy-every-pass, cpu close."""
+def check_outputs(group: list[Case], strict: bool = True) -> dict:
+    """Within one precision: repeats identical; pool strategies bit-equal to copy-every-pass, cpu close.
+
+    ``strict`` (the CPU): bit equality is required of the repeats and the pool strategies.
+    On CUDA it is recorded, and a relative difference within the tolerance passes: the
+    device's grouped matmul runs over pools of different sizes (the whole pool, or a
+    quantized step's scratch) and this check has not yet been seen on a GPU."""
     ref = group[0].runs[0].outputs
     scale = float(ref.abs().max()) or 1.0
     out = {"reference": group[0].title, "repeats_identical": True, "strategies": {}}
@@ -314,15 +321,18 @@ def check_outputs(group: list[Case]) -> dict:
             if not torch.equal(r.outputs, first.outputs) or (r.decode.hits, r.decode.misses) != (
                     first.decode.hits, first.decode.misses):
                 out["repeats_identical"] = False
+                out["repeats_max_abs_diff"] = max(out.get("repeats_max_abs_diff", 0.0),
+                                                  float((r.outputs - first.outputs).abs().max()))
         diff = float((first.outputs - ref).abs().max())
         pool = case.strategy.kind != "cpu"
         fmt = "host" if case.strategy.kind == "cpu" else case.slot_format
         out["strategies"][f"{case.title} [{fmt}]"] = {
             "bit_equal": bool(torch.equal(first.outputs, ref)), "max_abs_diff": diff,
-            "relative": diff / scale, "must_be_bit_equal": pool}
+            "relative": diff / scale, "must_be_bit_equal": pool and strict}
     # cpu sums experts per token in expert order, the pool in rank order: bf16 rounding only;
     # the tolerance is bench.checks' for bf16 (5% of the largest output)
-    out["ok"] = out["repeats_identical"] and all(
+    repeats_ok = out["repeats_identical"] or (not strict and out["repeats_max_abs_diff"] <= 5e-2 * scale)
+    out["ok"] = repeats_ok and all(
         v["bit_equal"] if v["must_be_bit_equal"] else v["relative"] <= 5e-2 for v in out["strategies"].values())
     return out
 
@@ -489,7 +499,7 @@ def main(argv=None) -> int:
                                  runs=[c.runs[0] for c in group])
         bench_checks = run_checks(result)  # bytes + sim; its outputs check is the looser one
         checks[precision] = {"bytes": bench_checks["bytes"], "sim": bench_checks["sim"],
-                             "outputs": check_outputs(group)}
+                             "outputs": check_outputs(group, strict=dev.type == "cpu")}
     ok = dequant_ok and all(not checks[p]["bytes"] and not checks[p]["sim"] and checks[p]["outputs"]["ok"]
                             for p in ("bf16", "Q4_K"))
     checks["ok"] = ok
