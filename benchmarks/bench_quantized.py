@@ -35,7 +35,7 @@ load from other processes spreads over all of them; the table gives the median s
 ms/token and the min-max over repeats. Steady = decode tokens N/4 to N-1 (decode_phases).
 
 Checks (the run exits 1 if one fails): H2D bytes = misses x stored expert bytes per cache
-(``L x k x`` per token for copy-every-pass, 0 for cpu; bench.checks, with the Q4_K stored
+(L x k x stored bytes per token for copy-every-pass, 0 for cpu; bench.checks, with the Q4_K stored
 bytes); each cache's hits and misses equal ``expertcache sim``'s replay; every repeat of a
 strategy gives the same outputs and counts; within each precision every strategy's final
 hidden vectors equal copy-every-pass's: the pool strategies bit for bit (same bf16
@@ -69,7 +69,7 @@ batch, and on this CPU one 8-expert decode takes ~300 ms against ~75 ms for 8 on
 decodes (fp32 temporaries of 50-100 MB per kind, far beyond the 32 MiB L3). On a GPU the batch
 is the right call (fewer launches); on the CPU the view should decode per expert.
 
-    PYTHONPATH=src python benchmarks/bench_quantized.py --layers 4 --tokens 96 --repeats 3 \\
+    PYTHONPATH=src python benchmarks/bench_quantized.py --layers 4 --tokens 64 --repeats 3 \\
         --json benchmarks/results/bench_quantized_cpu.json --plot benchmarks/results/bench_quantized_cpu.png
 """
 
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
                     help="routing trace .npz (default: ../shared/traces/qwen3-30b-a3b-code.npz; "
                          "synthetic Qwen3 routing when absent)")
     ap.add_argument("--layers", type=int, default=4, help="first N MoE layers (default 4)")
-    ap.add_argument("--tokens", type=int, default=96, help="first N tokens of the trace (default 96)")
+    ap.add_argument("--tokens", type=int, default=64, help="first N tokens of the trace (default 64)")
     ap.add_argument("--fraction", type=float, default=0.25,
                     help="pool budget: this share of all bf16 experts, plus top-k staging (default 0.25)")
     ap.add_argument("--policy", default=None, help="cache policies, comma separated (default: default)")
