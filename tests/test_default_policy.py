@@ -25,7 +25,7 @@ def test_default_is_registered_and_says_what_it_is():
     assert "next-use" in policies["default"].description
     assert isinstance(make_eviction("default", 16), NextUse)
     assert parse_spec("default") == ("default", "always")
-    assert resolve_policy("default").eviction == "default"  # not the lru fallback
+    assert resolve_policy("default").eviction == "default"
 
 
 @pytest.mark.parametrize("params, word", [({"window": 0.5}, "window"), ({"horizon": 0}, "horizon"),

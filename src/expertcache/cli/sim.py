@@ -52,8 +52,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..sim.hardware import load_hardware
-    from ..sim.mrc import sweep, sweep_sizes
-    from ..sim.plot import plot_curves
+    from ..sim.mrc import OPTIMUM, sweep, sweep_sizes
     from ..sim.replay import Prepared, resolve_policy, slots_for_fraction
     from ..sim.report import document, expert_cost, rows
 
@@ -61,8 +60,7 @@ def run(args) -> int:
     policies = [s for s in args.policy.split(",") if s.strip()]
     if not policies:
         raise ValueError("--policy is empty; name at least one, e.g. --policy lru,belady")
-    for spec in policies:
-        resolve_policy(spec)  # unknown names fail before any replay
+    specs = [resolve_policy(spec) for spec in policies]  # unknown names fail before any replay
     hw = load_hardware(args.hardware)
     cost = expert_cost(trace, args.expert_bytes, args.model, args.dense_bytes)
     if args.sweep is not None:
@@ -79,12 +77,12 @@ def run(args) -> int:
                                   args.imatrix_mode, args.imatrix_slots)
     else:
         with _progress(len(policies) * len(slots)) as tick:
-            results = sweep(prep, policies, slots, args.partition, workers=args.workers,
+            results = sweep(prep, specs, slots, args.partition, workers=args.workers,
                             progress=tick)
     # Belady's runs give opt_misses (and the plot's optimum); a pinned belady is no optimum.
     optimum = [r for r in results
-               if (r.policy, r.admission) == ("belady", "always") and not args.imatrix]
-    extra = [] if optimum else sweep(prep, ["belady"], slots, args.partition, workers=1)
+               if (r.policy, r.admission) == (OPTIMUM, "always") and not args.imatrix]
+    extra = [] if optimum else sweep(prep, [OPTIMUM], slots, args.partition, workers=1)
     opt = {r.slots: r.misses for r in optimum or extra}
     table = rows(trace, results, opt, cost, hw, args.miss_path)
     _print_table(trace, table, hw.name, cost is not None)
@@ -92,6 +90,7 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps(document(trace, table, hw, args.miss_path, cost),
                                               indent=2) + "\n")
     if args.plot:
+        from ..sim.plot import plot_curves
         title = f"{trace.meta.get('model', 'trace')}: {trace.num_tokens} tokens, {args.partition}"
         plot_curves(results + extra, args.plot, title=title,
                     total_experts=trace.num_layers * trace.num_experts)

@@ -30,6 +30,9 @@ class EvictionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # True for oracles that must be given the future (see ``bind_future``).
     needs_future: ClassVar[bool] = False
+    # The simulator's exact numba kernel for this class (a module of expertcache.sim.kernels),
+    # or None. Subclasses that override a hook lose it (they replay through SlotTable).
+    kernel: ClassVar[str | None] = None
 
     def __init__(self, capacity: int, **params: object) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -76,6 +79,8 @@ class AdmissionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # False lets the table skip ``record`` calls on its hot path.
     records: ClassVar[bool] = True
+    # The code of this rule in the simulator's kernels (sim/kernels/skeleton.py), or None.
+    kernel: ClassVar[int | None] = None
 
     def __init__(self, **params: object) -> None:
         pass

@@ -8,7 +8,6 @@ modules that register on import) through the entry-point group
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import entry_points
 
 from .base import AdmissionPolicy, EvictionPolicy
 
@@ -45,6 +44,7 @@ def _load() -> None:
     _loaded = True
     for mod in _BUILTIN_MODULES:
         importlib.import_module(f"{__package__}.{mod}")
+    from importlib.metadata import entry_points  # ~30 ms: only when a policy is looked up
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         obj = ep.load()
         if isinstance(obj, type):
