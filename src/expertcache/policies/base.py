@@ -40,6 +40,12 @@ class EvictionPolicy:
                              f"least 1 slot, got {capacity!r}")
         self.capacity = capacity
 
+    @classmethod
+    def wants_future(cls, params: dict[str, object]) -> bool:
+        """Whether an instance with these parameters will need ``bind_future``; for checks
+        made before any instance exists (``registry.needs_future``)."""
+        return cls.needs_future
+
     def on_insert(self, key: int, now: int) -> None:
         raise NotImplementedError
 

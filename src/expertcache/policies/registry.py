@@ -121,6 +121,13 @@ def _coerce(policy: str, key: str, default: object, value: object) -> object:
     return value
 
 
+def needs_future(name: str, params: dict[str, object] | None = None) -> bool:
+    """True if eviction policy ``name`` with ``params`` is an offline oracle (it needs the
+    future accesses), e.g. ``belady``, or ``static`` with ``inner='belady'``."""
+    cls = eviction_class(name)
+    return cls.wants_future(check_params(cls, dict(params or {})))
+
+
 def make_eviction(name: str, capacity: int, **params: object) -> EvictionPolicy:
     cls = eviction_class(name)
     return cls(capacity, **check_params(cls, params))

@@ -1,4 +1,4 @@
-"""Result rows for ``expertcache sim``: the JSON schema of issue 3 plus the cost model."""
+"""Result rows for ``expertcache sim``: the JSON schema of docs/simulator.md plus the cost model."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def expert_cost(trace: Trace, expert_bytes: int | None = None,
 
 def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
          cost: ExpertCost | None, hw: Hardware, miss_path: str = "auto") -> list[dict]:
-    """One JSON-ready dict per result (schema: issue 3, item 4)."""
+    """One JSON-ready dict per result (schema: docs/simulator.md, "JSON")."""
     decode_tokens = int((trace.phases == DECODE).sum())
     path = chosen_path(cost, hw, miss_path) if cost else miss_path
     out = []
