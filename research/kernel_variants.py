@@ -1,4 +1,4 @@
-"""Round two research copy of sim/fast_next_use.py with victim variants (mode 1: scan, layer-phase
+"""Round two research copy of sim/kernels/next_use.py with victim variants (mode 1: scan, layer-phase
 tie-break; mode 2: odds discounted by the wait for the key's layer; modes 3, 4: the same on
 each class's oldest age group only). Not shipped. Global pool, 768 and 1536 slots.
 
@@ -16,8 +16,8 @@ from numba import types
 from numba.typed import Dict
 
 from expertcache.policies.next_use import _EDGES, _GAPS, _MIN_OBS, _NCLASS, _TRUST
-from expertcache.sim.fast import _tally
-from expertcache.sim.fast_lists import _append, _remove
+from expertcache.sim.kernels.skeleton import tally as _tally
+from expertcache.sim.kernels.lists import append as _append, remove as _remove
 
 EDGES = np.array(_EDGES, np.float64)
 

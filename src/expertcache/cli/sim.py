@@ -144,25 +144,38 @@ class _progress:
             self.bar.stop()
 
 
-def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None:
-    from rich.console import Console
-    from rich.table import Table
+COLUMNS = ("policy", "partition", "slots", "hit rate", "misses", "opt misses", "x opt", "tok/s")
+# Box characters as rich draws a heavy-headed table; plain ASCII where stdout cannot encode them.
+_BOX = {"utf": ("┏━┳┓", "┃", "┡━╇┩", "│", "└─┴┘"), "ascii": ("+-++", "|", "+=++", "|", "+-++")}
 
-    t = Table(title=f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x "
-                    f"{trace.num_experts} experts, top-{trace.top_k}, {trace.num_tokens} tokens",
-              title_justify="left")
-    t.caption = f"x opt: misses / Belady's; tok/s: cost model on {hw_name}"
-    for col in ("policy", "partition", "slots", "hit rate", "misses", "opt misses", "x opt",
-                "tok/s"):
-        t.add_column(col, justify="left" if col in ("policy", "partition") else "right",
-                     no_wrap=col == "policy")  # labels like 'default (next-use)' stay whole
+
+def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None:
+    """The results as a text table on stdout (written out here: importing rich for it
+    took a quarter of a whole ``expertcache sim`` run)."""
+    rows = []
     for row in table:
         opt = row["opt_misses"]
-        ratio = f"{row['misses'] / opt:.2f}" if opt else "-"
-        tok = f"{row['predicted_tok_s']:.1f}" if row["predicted_tok_s"] else "-"
-        t.add_row(row["label"], row["partition"], str(row["slots"]), f"{row['hit_rate']:.4f}",
-                  str(row["misses"]), str(opt), ratio, tok)
-    console = Console(width=max(Console().width, 100))
-    console.print(t)
+        rows.append((row["label"], row["partition"], str(row["slots"]), f"{row['hit_rate']:.4f}",
+                     str(row["misses"]), str(opt), f"{row['misses'] / opt:.2f}" if opt else "-",
+                     f"{row['predicted_tok_s']:.1f}" if row["predicted_tok_s"] else "-"))
+    widths = [max([len(col)] + [len(r[i]) for r in rows]) for i, col in enumerate(COLUMNS)]
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    top, head_bar, rule, bar, bottom = _BOX["utf" if encoding.startswith("utf") else "ascii"]
+
+    def border(chars: str) -> str:
+        left, fill, mid, right = chars
+        return left + mid.join(fill * (w + 2) for w in widths) + right
+
+    def cells(values, sep: str) -> str:
+        return sep + sep.join(f" {v:<{w}} " if i < 2 else f" {v:>{w}} "  # names left, numbers right
+                              for i, (v, w) in enumerate(zip(values, widths))) + sep
+
+    width = sum(widths) + 3 * len(widths) + 1
+    caption = f"x opt: misses / Belady's; tok/s: cost model on {hw_name}"
+    lines = [f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x "
+             f"{trace.num_experts} experts, top-{trace.top_k}, {trace.num_tokens} tokens",
+             border(top), cells(COLUMNS, head_bar), border(rule),
+             *(cells(r, bar) for r in rows), border(bottom), caption.center(width).rstrip()]
     if not has_cost:
-        console.print("tok/s and bytes moved need the expert size: give --expert-bytes or --model")
+        lines.append("tok/s and bytes moved need the expert size: give --expert-bytes or --model")
+    sys.stdout.write("\n".join(lines) + "\n")

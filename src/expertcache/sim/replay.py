@@ -209,9 +209,14 @@ def step_keys(experts: np.ndarray, num_experts: int) -> np.ndarray:
     keys = experts.transpose(1, 0, 2).astype(np.int32)            # T, L, K
     keys += (np.arange(L, dtype=np.int32) * num_experts)[None, :, None]
     keys = keys.reshape(T * L, K)
-    orig = keys.copy()
-    for j in range(1, K):
-        keys[(orig[:, :j] == orig[:, j:j + 1]).any(axis=1), j] = -1
+    srt = np.sort(keys, axis=1)
+    rows = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))  # repeats are rare
+    if rows.size:
+        sub = keys[rows]
+        orig = sub.copy()
+        for j in range(1, K):
+            sub[(orig[:, :j] == orig[:, j:j + 1]).any(axis=1), j] = -1
+        keys[rows] = sub
     return keys
 
 

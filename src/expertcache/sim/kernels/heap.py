@@ -81,6 +81,10 @@ def min_unprotected(prio, hkey, stamp, s, base, n, todo):
     Every entry above it is protected, so it is the best unprotected child reachable
     from the root through protected entries (at most one step's keys of them).
     """
+    if n == 0:
+        return -1
+    if stamp[hkey[base]] != s:  # nearly always: the root itself
+        return hkey[base]
     best, top = -1, 1
     todo[0] = 0
     while top > 0:

@@ -74,13 +74,17 @@ on_insert = on_hit
 
 @hook
 def find_victim(p, s, stamp, prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
-           shorter, gen, window, horizon, rebuild_every, halve_every, edges):
+                shorter, gen, window, horizon, rebuild_every, halve_every, edges):
+    return _victim(p, _NCLASS, head, nxt, stamp, s, last, score, period[p], now_p[p])
+
+
+@hook
+def _victim(p, NC, head, nxt, stamp, s, last, score, period, now):
     """NextUse.victim: each class's oldest unprotected key; lowest odds, then oldest."""
-    per = period[p] if period[p] > 0 else 1
-    now = now_p[p]
+    per = period if period > 0 else 1
     best, best_score, best_last = -1, 2.0, 0
-    for c in range(_NCLASS):
-        key = head[p * _NCLASS + c]
+    for c in range(NC):
+        key = head[p * NC + c]
         while key >= 0 and stamp[key] == s:
             key = nxt[key]
         if key < 0:

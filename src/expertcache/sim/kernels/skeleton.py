@@ -139,13 +139,7 @@ def _replay(keys, phases, L, parts, cap, st, sc, admit, ghost, n_uses, window_st
                 evict += 1
             on_insert(key, p, s, j, *STATE)  # noqa: F821
             resident[key] = True
-        row_counts = counts[phases[s], layer]
-        row_counts[ACC] += acc
-        row_counts[HIT] += hit
-        row_counts[MISS] += acc - hit
-        row_counts[LOAD] += acc - hit - bypass
-        row_counts[EVICT] += evict
-        row_counts[BYPASS] += bypass
+        tally(counts[phases[s], layer], acc, hit, bypass, evict)
 
 
 def specialize(module_globals: dict, name: str):
@@ -175,6 +169,17 @@ def specialize(module_globals: dict, name: str):
     # Without reference counting (numba's ``_nrt`` option): the hooks take the state arrays
     # as arguments, and counting each one in and out per access made the loop 3-10x slower.
     return njit(cache=True, _nrt=module_globals.get("NRT", False))(fn)
+
+
+@njit(inline="always")
+def tally(c, acc, hit, bypass, evict):
+    """One step's counts into its (phase, layer) row, in ``stats.FIELDS`` order."""
+    c[ACC] += acc
+    c[HIT] += hit
+    c[MISS] += acc - hit
+    c[LOAD] += acc - hit - bypass
+    c[EVICT] += evict
+    c[BYPASS] += bypass
 
 
 def hook(fn):
