@@ -179,3 +179,18 @@ def test_sim_never_imports_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_without_numba_every_replay_runs_through_the_table(monkeypatch):
+    # numba is the `sim` extra: without it the kernels are skipped, and asking for one says
+    # what to install.
+    from expertcache.sim import kernels
+
+    trace = make_trace([[0, 1], [1, 2], [0, 2]], 4)
+    fast = replay(trace, "lru", 2)
+    monkeypatch.setattr(kernels, "have_numba", lambda: False)
+    slow = replay(trace, "lru", 2)
+    assert (fast.engine, slow.engine) == ("lru-kernel", "table")
+    assert slow.stats.to_dict() == fast.stats.to_dict()
+    with pytest.raises(ValueError, match=r"expertcache\[sim\]"):
+        replay(trace, "lru", 2, engine="fast")

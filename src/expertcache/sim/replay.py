@@ -238,6 +238,10 @@ def replay(trace: Trace | Prepared, policy: str | PolicySpec, slots: int,
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
     kernel = None if pinned or seed else kernel_for(prep, spec)
     if engine == "fast" and kernel is None:
+        from .kernels import have_numba
+        if not have_numba():
+            raise ValueError("engine 'fast' needs numba, which is not installed: "
+                             "pip install 'expertcache[sim]' (or use engine 'table' or 'auto')")
         raise ValueError(f"no fast kernel for {spec.label!r} with these options; kernels cover "
                          "lru, fifo, belady, slru, arc, lfu, s3fifo and next-use with admission "
                          "always, second-hit or window, without pinned or seeded keys (use "

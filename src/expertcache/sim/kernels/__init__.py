@@ -12,6 +12,7 @@ class that declared the kernel (a subclass that overrides one replays through
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 # The methods a kernel reproduces; a class may list more it depends on (``kernel_mirrors``),
 # such as next-use's ``_use``.
@@ -30,8 +31,15 @@ def declared_kernel(cls, hooks: tuple[str, ...]):
     return vars(owner)["kernel"]
 
 
+def have_numba() -> bool:
+    """numba comes with the ``sim`` extra; without it every replay runs through SlotTable."""
+    return importlib.util.find_spec("numba") is not None
+
+
 def kernel_module(eviction_cls, admission_cls):
     """The kernel module reproducing this pair of policy classes, or None."""
+    if not have_numba():
+        return None
     name = declared_kernel(eviction_cls, EVICTION_HOOKS)
     if name is None or declared_kernel(admission_cls, ADMISSION_HOOKS) is None:
         return None
