@@ -61,10 +61,11 @@ def scratch(L: int, nkeys: int, parts: int, admit: int, n_uses: int) -> tuple:
 
 
 def run(replay, prep, parts: int, cap: int, st: tuple, admission: tuple):
-    """Counts ``int64 [2, L, 6]`` of a specialized loop (``replay``) over ``prep``'s steps."""
+    """Counts ``int64 [2, L, 6]`` of a specialized loop (``replay``, from ``specialize``) over
+    ``prep``'s steps; ``admission`` is ``(admit, ghost, n_uses, window)``."""
     admit, ghost, n_uses, window = admission
     sc = scratch(prep.L, prep.L * prep.E, parts, admit, n_uses)
-    replay(prep.keys, prep.phases, prep.L, parts, cap, st, sc, admit, ghost, n_uses, window)
+    replay(admit)(prep.keys, prep.phases, prep.L, parts, cap, st, sc, admit, ghost, n_uses, window)
     return sc[0]
 
 
@@ -73,10 +74,12 @@ def _replay(keys, phases, L, parts, cap, st, sc, admit, ghost, n_uses, window_st
     (counts, resident, used, stamp, gprev, gnext, ghead, gtail, gsize, in_ghost,
      uses, nuse) = sc
     K = keys.shape[1]
-    layer = L - 1
+    layer, token = L - 1, -1
     for s in range(keys.shape[0]):
-        layer = 0 if layer == L - 1 else layer + 1   # s % L
-        token = s // L                               # the layer's own step count
+        if layer == L - 1:                           # layer = s % L, token = s // L (the
+            layer, token = 0, token + 1              # layer's own step count), no division
+        else:
+            layer += 1
         p = 0 if parts == 1 else layer
         row = keys[s]
         for j in range(K):
@@ -142,12 +145,18 @@ def _replay(keys, phases, L, parts, cap, st, sc, admit, ghost, n_uses, window_st
         tally(counts[phases[s], layer], acc, hit, bypass, evict)
 
 
+ADMISSION_NAMES = {ALWAYS: "always", SECOND_HIT: "second_hit", WINDOW: "window"}
+
+
 def specialize(module_globals: dict, name: str):
-    """The step loop compiled with the hooks of the module whose ``globals()`` is given.
+    """The step loop compiled with the hooks of the module whose ``globals()`` is given:
+    a function of the admission code that returns the compiled loop for it.
 
     The module's ``STATE`` names its state arrays in the order of ``st``: the loop
     unpacks them once and hands them to the hooks as plain arguments. A module that
     needs numba's reference counting (it allocates inside the loop) sets ``NRT = True``.
+    Each admission rule gets its own loop, compiled on first use, with the rule a
+    constant: the branches of the other rules vanish (about 15% of a plain LRU run).
     The code is compiled under the policy module's file name, which is what numba's
     cache keys on (with the bytecode, so edits to this loop recompile too).
     """
@@ -157,18 +166,29 @@ def specialize(module_globals: dict, name: str):
         raise ValueError(f"{module_globals['__name__']}.STATE reuses the step loop's names "
                          f"{sorted(clash)}: rename them")
     names = ", ".join(state)
-    src = textwrap.dedent(inspect.getsource(_replay))
-    src = src.replace("STATE = st", f"{names}, = st").replace("*STATE", names)
-    src = src.replace("def _replay(", f"def {name}(", 1)
+    template = textwrap.dedent(inspect.getsource(_replay))
+    template = template.replace("STATE = st", f"{names}, = st").replace("*STATE", names)
     env = dict(_replay.__globals__)
     for hook_name in ("on_hit", "find_victim", "on_evict", "on_insert"):
         env[hook_name] = module_globals[hook_name]
-    exec(compile(src, module_globals["__file__"], "exec"), env)
-    fn = env[name]
-    fn.__module__ = module_globals["__name__"]
-    # Without reference counting (numba's ``_nrt`` option): the hooks take the state arrays
-    # as arguments, and counting each one in and out per access made the loop 3-10x slower.
-    return njit(cache=True, _nrt=module_globals.get("NRT", False))(fn)
+    loops: dict[int, object] = {}
+
+    def loop(admit: int):
+        if admit not in loops:
+            fname = f"{name}_{ADMISSION_NAMES[admit]}"
+            src = template.replace("def _replay(", f"def {fname}(", 1)
+            src = src.replace("admit == SECOND_HIT", f"{admit} == SECOND_HIT")
+            src = src.replace("admit == WINDOW", f"{admit} == WINDOW")
+            space = dict(env)
+            exec(compile(src, module_globals["__file__"], "exec"), space)
+            fn = space[fname]
+            fn.__module__ = module_globals["__name__"]
+            # Without reference counting (numba's ``_nrt`` option): the hooks take the state
+            # arrays as arguments, and counting each in and out per access made the loop
+            # 3-10x slower.
+            loops[admit] = njit(cache=True, _nrt=module_globals.get("NRT", False))(fn)
+        return loops[admit]
+    return loop
 
 
 @njit(inline="always")
