@@ -15,7 +15,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[torch]'
+	$(BIN)/pip install -q -e '.[torch,sim,plot]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -42,7 +42,8 @@ def single_runs(prep, slots: int, skip_table: bool) -> list[dict]:
     import libcachesim
 
     from expertcache.sim import replay
-    from expertcache.sim.oracle_trace import flat_accesses, write_oracle_general
+    sys.path.insert(0, str(ROOT / "tests"))  # the oracleGeneral writer is a test helper
+    from oracle_trace import flat_accesses, write_oracle_general
 
     seq = flat_accesses(prep.keys)
     rows = []

@@ -47,7 +47,7 @@ warnings.filterwarnings("ignore", module="sklearn")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from policy_research import load  # noqa: E402
 
-from expertcache.sim.fast import NEVER  # noqa: E402
+from expertcache.policies.belady import NEVER  # noqa: E402
 from expertcache.sim.replay import Prepared, replay  # noqa: E402
 
 CONFIGS = (("global", 768), ("global", 1536), ("per-layer", 768), ("per-layer", 1536))

@@ -1,6 +1,7 @@
-"""Round two research copy of sim/fast_next_use.py with victim variants (mode 1: scan, layer-phase
-tie-break; mode 2: odds discounted by the wait for the key's layer; modes 3, 4: the same on
-each class's oldest age group only). Not shipped. Global pool, 768 and 1536 slots.
+"""Round two: the next-use kernel's loop with victim variants (mode 0: the shipped victim;
+mode 1: scan, layer-phase tie-break; mode 2: odds discounted by the wait for the key's layer;
+modes 3, 4: the same on each class's oldest age group only). Learning (``_use``) and the
+shipped victim come from sim/kernels/next_use.py. Not shipped. Global pool, 768 and 1536 slots.
 
     .venv/bin/python research/kernel_variants.py code general
 """
@@ -8,18 +9,16 @@ each class's oldest age group only). Not shipped. Global pool, 768 and 1536 slot
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit
 from numba import types
 from numba.typed import Dict
 
-from expertcache.policies.next_use import _EDGES, _GAPS, _MIN_OBS, _NCLASS, _TRUST
-from expertcache.sim.fast import _tally
-from expertcache.sim.fast_lists import _append, _remove
-
-EDGES = np.array(_EDGES, np.float64)
+from expertcache.policies.next_use import _GAPS, _NCLASS
+from expertcache.sim.kernels.lists import append as _append, remove as _remove
+# the shipped kernel's own learning and victim search; this file varies the victim only
+from expertcache.sim.kernels.next_use import EDGES, _use, _victim
+from expertcache.sim.kernels.skeleton import tally as _tally
 
 
 def next_use_replay(keys, phases, L, E, parts, cap, policy, mode=0):
@@ -90,101 +89,6 @@ def _replay(keys, phases, L, E, parts, cap, window, horizon, rebuild_every, halv
             _append(key, p * NC + c, prev, nxt, head, tail, size, where)
         _tally(counts[phases[s], layer], acc, hit, bypass, evict)
     return counts
-
-
-@njit(cache=False)
-def _victim(p, NC, head, nxt, stamp, s, last, score, period, now):
-    """NextUse.victim: each class's oldest unprotected key; lowest odds, then oldest."""
-    per = period if period > 0 else 1
-    best, best_score, best_last = -1, 2.0, 0
-    for c in range(NC):
-        key = head[p * NC + c]
-        while key >= 0 and stamp[key] == s:
-            key = nxt[key]
-        if key < 0:
-            continue
-        age = (now - last[key]) // per
-        odds = score[p, c, age] if age < _GAPS else score[p, c, _GAPS]
-        if odds < best_score or (odds == best_score and last[key] < best_last):
-            best, best_score, best_last = key, odds, last[key]
-    return best
-
-
-@njit(cache=False)
-def _use(key, now, p, last, count, cls_of, period, now_p, seen, hist, score, shorter, gen,
-         window, horizon, rebuild_every, halve_every, edges):
-    """NextUse._use: record a use of ``key`` at step ``now``; returns its new class."""
-    now_p[p] = now
-    if last[key] < 0:
-        n = 1.0
-    elif now > last[key]:
-        steps = now - last[key]
-        if period[p] == 0 or (steps < period[p] and _believe(p, steps, shorter, gen)):
-            period[p] = steps
-        passes = steps / period[p]
-        gap = int(passes + 0.5)
-        hist[p, cls_of[key], gap if gap <= _GAPS else _GAPS + 1] += 1.0
-        n = 1.0 + count[key] * math.exp(-passes / window)
-        seen[p] += 1
-        if seen[p] % rebuild_every == 0:
-            _rebuild(p, hist, score, seen[p], horizon, halve_every)
-    else:
-        n = count[key]                  # same step again: no new evidence
-    c = 0
-    while c < edges.shape[0] and edges[c] <= n:   # bisect_right
-        c += 1
-    last[key], count[key], cls_of[key] = now, n, c
-    return c
-
-
-@njit(cache=False)
-def _believe(p, steps, shorter, gen):
-    """NextUse._believe, the dict keyed per partition and cleared by a generation bump."""
-    k = (np.int64(p) << 40) | steps
-    n = 0
-    if k in shorter:
-        v = shorter[k]
-        if v >> 8 == gen[p]:
-            n = v & 0xFF
-    n += 1
-    if n < _TRUST:
-        shorter[k] = (gen[p] << 8) | n
-        return False
-    gen[p] += 1
-    return True
-
-
-@njit(cache=False)
-def _rebuild(p, hist, score, seen, horizon, halve_every):
-    NC = hist.shape[1]
-    if seen % halve_every == 0:
-        for c in range(NC):
-            for g in range(hist.shape[2]):
-                hist[p, c, g] = hist[p, c, g] / 2
-    pooled = np.zeros(hist.shape[2], np.float64)
-    for g in range(hist.shape[2]):
-        for c in range(NC):
-            pooled[g] += hist[p, c, g]
-    pooled_score = _scores(pooled, horizon)
-    for c in range(NC):
-        total = 0.0
-        for g in range(hist.shape[2]):
-            total += hist[p, c, g]
-        score[p, c, :] = _scores(hist[p, c], horizon) if total >= _MIN_OBS else pooled_score
-
-
-@njit(cache=False)
-def _scores(row, h):
-    """score[a] = P(reuse within h passes | no reuse for a passes), as NextUse._scores."""
-    top = _GAPS + 1
-    later = np.zeros(top + 1, np.float64)
-    for g in range(top, 0, -1):
-        later[g - 1] = later[g] + row[g]
-    out = np.zeros(top, np.float64)
-    for a in range(top):
-        if later[a]:
-            out[a] = (later[a] - later[min(a + h, _GAPS)]) / later[a]
-    return out
 
 
 @njit(cache=False)

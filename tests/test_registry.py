@@ -221,3 +221,20 @@ def test_entry_point_plugin_is_listed_and_runs(installed_plugin):
     # again); 0 misses: 1 hit. Replay by hand (3 slots; steps [0,1] [2,3] [0,1] [2,3]): 3 evicts
     # 1 (2 is in its step); 0 hits, 1 evicts 3 (0 is in its step); 2 hits, 3 evicts 1: 2 hits, 6 misses.
     assert run.stdout.split() == ["1", "2", "6"], run.stdout + run.stderr
+
+
+def test_needs_future_sees_an_oracle_inside_static():
+    # Static's needs_future is set per instance (from its inner policy), so a check on the
+    # class alone missed static(inner=belady); needs_future(name, params) asks the class
+    # with the parameters, before any table exists.
+    from expertcache import SlotTable
+    from expertcache.policies.registry import eviction_class, needs_future
+
+    assert needs_future("belady") and not needs_future("lru")
+    assert not needs_future("static") and not needs_future("static", {"inner": "lru"})
+    assert not eviction_class("static").needs_future  # the class flag alone says no...
+    assert needs_future("static", {"keys": "1", "inner": "belady"})  # ...this says yes
+    table = SlotTable(1, 8, 4, eviction="static", eviction_params={"inner": "belady"})
+    assert table.needs_future
+    with pytest.raises(ValueError, match="offline oracle"):
+        table.step(0, [1])

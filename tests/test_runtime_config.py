@@ -50,6 +50,10 @@ def test_config_defaults_and_baselines():
     (dict(partition="ring"), "partition"), (dict(miss="disk"), "miss"), (dict(baseline="fast"), "baseline"),
     (dict(dtype="int8"), "dtype"), (dict(eviction="nope"), "eviction policy"), (dict(admission="nope"), "admission"),
     (dict(eviction="belady"), "oracle"), (dict(staging=0), "staging"), (dict(imatrix_mode="x"), "imatrix_mode"),
+    # static with a belady inner policy is an oracle too: only its parameters say so
+    (dict(slots=4, eviction="static", eviction_params={"inner": "belady"}), "oracle"),
+    (dict(slot_format="int4"), "slot_format"), (dict(host_memory="disk"), "host_memory"),
+    (dict(), "needs a size"),
     (dict(eviction="slru", eviction_params={"bogus": 1}), "bogus"),
 ])
 def test_config_rejects(kwargs, match):

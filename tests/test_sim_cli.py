@@ -150,3 +150,25 @@ def test_probe_profile_feeds_sim(small_trace, tmp_path, capsys):
     assert doc["cost_model"]["hardware"] == "probed" and doc["results"][0]["predicted_tok_s"] > 0
     assert main(["probe", "--seconds", "0"]) == 2
     assert "--seconds must be positive" in capsys.readouterr().err
+
+
+def test_help_imports_only_what_it_needs():
+    # `expertcache --help` lists the commands without importing their modules, so it pays
+    # for none of numpy, numba, matplotlib, rich or torch (it takes well under 0.3 s).
+    import subprocess
+    import sys
+
+    code = ("import sys; from expertcache.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = ('numpy', 'numba', 'matplotlib', 'rich', 'torch')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert "sim" in out.stdout and "replay a routing trace" in out.stdout
+
+
+def test_a_subcommand_builds_only_its_own_parser():
+    from expertcache.cli import build_parser
+
+    args = build_parser(["policies", "--json"]).parse_args(["policies", "--json"])
+    assert args.command == "policies" and args.json

@@ -1,8 +1,9 @@
 """The numba kernels equal the SlotTable path, counter for counter (per layer and
 phase: accesses, hits, misses, loads, evictions, bypasses), on many random traces
 and on slices of the shared real traces; LRU's one-pass stack distances equal a
-SlotTable replay at every size. The slru, arc and lfu kernels mirror other modules'
-policies: a change there without its kernel fails here."""
+SlotTable replay at every size. Every kernel mirrors a policy class in policies/ (one
+step loop, sim/kernels/skeleton.py, with each policy's hooks): a change there without
+its kernel fails here."""
 
 from __future__ import annotations
 
@@ -87,9 +88,11 @@ ADMISSIONS = [("second-hit", {}), ("second-hit", {"ghost": 1}), ("second-hit", {
               ("window", {"n": 2, "w": 1})]
 
 
-@pytest.mark.parametrize("eviction", ["lru", "fifo"])
+@pytest.mark.parametrize("eviction", ["lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo",
+                                      "next-use"])
 @pytest.mark.parametrize("partition", ["global", "per-layer"])
 def test_admission_kernels_equal_slot_table(eviction, partition):
+    # Admission is compiled into the one step loop, so every kernel takes every rule.
     rng = np.random.default_rng([ord(c) for c in eviction + partition + "admit"])
     bypassed = 0
     for _ in range(15):
@@ -125,17 +128,52 @@ def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
     k, L = prep.trace.top_k, prep.trace.num_layers
     slots = (k + 1) * L
     assert replay(prep, "lru+never", slots).engine == "table"
-    assert replay(prep, "belady+second-hit", slots).engine == "table"
-    assert replay(prep, "s3fifo+second-hit", slots).engine == "table"
     assert replay(prep, "s3fifo", slots).engine == "s3fifo-kernel"
+    assert replay(prep, "s3fifo+second-hit", slots).engine == "s3fifo-kernel"
     assert replay(prep, "default", slots).engine == "default-kernel"
-    assert replay(prep, "next-use+second-hit", slots).engine == "table"
-    assert replay(prep, "slru+second-hit", slots).engine == "table"
     assert replay(prep, "lru", slots, seed=[0]).engine == "table"
+    assert replay(prep, "lru", slots, pinned=[0]).engine == "table"
     assert replay(prep, "lru", slots).engine == "lru-kernel"
     assert replay(prep, "fifo+window", slots).engine == "fifo-kernel"
     with pytest.raises(ValueError, match="no fast kernel"):
         replay(prep, "lfru", slots, engine="fast")
+
+
+def test_a_subclass_that_overrides_a_hook_loses_the_kernel():
+    from expertcache.policies import registry
+    from expertcache.policies.admission import SecondHit
+    from expertcache.policies.lru import LRU
+    from expertcache.sim.replay import resolve_policy
+    from expertcache.sim.kernels import kernel_module
+
+    class Touchy(LRU):  # on_access differs: the lru kernel no longer reproduces it
+        name = "test-touchy"
+
+        def on_access(self, key, now):
+            pass
+
+    class Same(LRU):  # nothing overridden: the kernel still applies
+        name = "test-same"
+
+    class Picky(SecondHit):
+        name = "test-picky"
+
+        def admit(self, candidate, victim):
+            return False
+
+    for cls in (Touchy, Same, Picky):
+        registry.register(cls)
+    try:
+        prep = Prepared(random_trace(np.random.default_rng(4)))
+        slots = (prep.trace.top_k + 1) * prep.trace.num_layers
+        assert replay(prep, "test-touchy", slots).engine == "table"
+        assert replay(prep, "test-same", slots).engine == "test-same-kernel"
+        assert replay(prep, "lru+test-picky", slots).engine == "table"
+        spec = resolve_policy("test-same+second-hit")
+        assert kernel_module(spec.eviction_cls, spec.admission_cls).__name__.endswith(".lru")
+    finally:
+        for cls in (Touchy, Same, Picky):
+            (registry._EVICTION if cls is not Picky else registry._ADMISSION).pop(cls.name)
 
 
 # -- next-use (policies/next_use.py) ------------------------------------------

@@ -10,8 +10,8 @@ libcachesim = pytest.importorskip("libcachesim", reason="libcachesim is a test d
 
 from expertcache.sim import Prepared, replay  # noqa: E402
 from expertcache.sim.mrc import sweep  # noqa: E402
-from expertcache.sim.oracle_trace import RECORD, flat_accesses, write_oracle_general  # noqa: E402
 from expertcache.trace import Trace  # noqa: E402
+from oracle_trace import RECORD, flat_accesses, write_oracle_general  # noqa: E402
 
 REFERENCE = {"lru": libcachesim.LRU, "fifo": libcachesim.FIFO, "belady": libcachesim.Belady}
 

@@ -71,13 +71,10 @@ class SlotTable:
                  admission_params: dict | None = None) -> None:
         _check_positive("num_layers", num_layers)
         _check_positive("num_experts", num_experts)
-        _check_positive("slots", slots)
-        if partition not in PARTITIONS:
-            raise ValueError(f"unknown partition {partition!r}; use one of {', '.join(PARTITIONS)}")
         self.num_layers, self.num_experts, self.slots = num_layers, num_experts, slots
         self.partition, self.top_k = partition, top_k
         self.eviction_name, self.admission_name = eviction, admission
-        shares = self._shares(partition, top_k)
+        shares = partition_shares(num_layers, num_experts, slots, partition, top_k)
         self._parts = [
             _Partition(start, cap,
                        make_eviction(eviction, cap, **(eviction_params or {})),
@@ -101,26 +98,6 @@ class SlotTable:
         self._pin(list(pinned) + sorted(policy_pins))
 
     # -- construction helpers -------------------------------------------------
-    def _shares(self, partition: str, top_k: int | None) -> list[tuple[int, int]]:
-        if top_k is not None:
-            _check_positive("top_k", top_k)
-            if top_k > self.num_experts:
-                raise ValueError(f"top_k={top_k} exceeds num_experts={self.num_experts}")
-        if partition == "global":
-            shares = [(0, self.slots)]
-        else:
-            per = self.slots // self.num_layers
-            if per < 1:
-                raise ValueError(f"per-layer partition of {self.slots} slots over {self.num_layers} "
-                                 f"layers leaves no slot per layer; give at least {self.num_layers} slots")
-            shares = [(i * per, per) for i in range(self.num_layers)]
-        cap = shares[0][1]
-        if top_k is not None and cap < top_k:
-            where = "the pool" if partition == "global" else "each layer's partition"
-            raise ValueError(f"capacity below top-k: {where} holds {cap} slots but one step needs "
-                             f"up to top_k={top_k}; give at least {top_k * (1 if partition == 'global' else self.num_layers)} slots")
-        return shares
-
     def _pin(self, keys: list) -> list[int]:
         """Pin ``keys`` into free slots, all or none; returns the newly pinned keys."""
         new = list(dict.fromkeys(k for k in map(self.as_key, keys) if k not in self._pinned))
@@ -308,6 +285,35 @@ class SlotTable:
         self._now = now + 1
         self._layer_now[layer] = layer_now + 1
         return plan
+
+
+def partition_shares(num_layers: int, num_experts: int, slots: int, partition: str,
+                     top_k: int | None = None) -> list[tuple[int, int]]:
+    """``(first slot, capacity)`` of each partition; ValueError if ``slots`` cannot hold
+    one step of ``top_k`` keys per partition. The one place a table size is checked
+    (SlotTable and the simulator's kernels both ask it)."""
+    _check_positive("slots", slots)
+    if partition not in PARTITIONS:
+        raise ValueError(f"unknown partition {partition!r}; use one of {', '.join(PARTITIONS)}")
+    if top_k is not None:
+        _check_positive("top_k", top_k)
+        if top_k > num_experts:
+            raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
+    if partition == "global":
+        shares = [(0, slots)]
+    else:
+        per = slots // num_layers
+        if per < 1:
+            raise ValueError(f"per-layer partition of {slots} slots over {num_layers} "
+                             f"layers leaves no slot per layer; give at least {num_layers} slots")
+        shares = [(i * per, per) for i in range(num_layers)]
+    cap = shares[0][1]
+    if top_k is not None and cap < top_k:
+        where = "the pool" if partition == "global" else "each layer's partition"
+        raise ValueError(f"capacity below top-k: {where} holds {cap} slots but one step needs "
+                         f"up to top_k={top_k}; give at least "
+                         f"{top_k * (1 if partition == 'global' else num_layers)} slots")
+    return shares
 
 
 def _whole(name: str, value: object) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from .cache import PARTITIONS
-from .policies.registry import admission_class, check_params, eviction_class
+from .policies.registry import admission_class, check_params, eviction_class, needs_future
 from .sizes import parse_size
 
 MISS_PATHS = ("fetch", "cpu", "auto")
@@ -78,7 +78,7 @@ class CacheConfig:
                            check_params(eviction_class(self.eviction), dict(self.eviction_params)))
         object.__setattr__(self, "admission_params",
                            check_params(admission_class(self.admission), dict(self.admission_params)))
-        if eviction_class(self.eviction).needs_future:
+        if needs_future(self.eviction, self.eviction_params):  # static(inner=belady) too
             raise ValueError(f"eviction policy {self.eviction!r} is an offline oracle that needs future "
                              "accesses; a live run cannot know them. Use it in `expertcache sim`")
         if self.needs_size and self.slots is None and self.gpu_memory is None:

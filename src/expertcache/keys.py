@@ -8,11 +8,3 @@ from typing import NamedTuple
 class ExpertKey(NamedTuple):
     layer: int
     expert: int
-
-
-def to_key(layer: int, expert: int, num_experts: int) -> int:
-    return layer * num_experts + expert
-
-
-def from_key(key: int, num_experts: int) -> ExpertKey:
-    return ExpertKey(*divmod(key, num_experts))

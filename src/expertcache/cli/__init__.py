@@ -3,6 +3,10 @@
 Each module in ``COMMANDS`` defines ``add_parser(subparsers)`` (which sets
 ``func`` on its parser) and keeps its work in library code. A ValueError from
 the library is a user error: printed as one line, exit status 2.
+
+Only the chosen subcommand's module is imported (the others appear in the
+listing by their one-line help below), so ``expertcache --help`` and a
+subcommand that needs no numpy, numba, matplotlib or torch pay for none of them.
 """
 
 from __future__ import annotations
@@ -12,10 +16,24 @@ import importlib
 import os
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "plan", "probe", "trace", "generate", "serve", "bench", "demo")
+# name -> one line for the command listing (the module's own parser says more)
+COMMANDS = {
+    "policies": "list eviction and admission policies with their parameters",
+    "imatrix": ("what an imatrix (or trace, popularity JSON, .npy) says about each layer's "
+                "experts, and which to place on the GPU"),
+    "sim": "replay a routing trace: hit rates, optimum, predicted tok/s",
+    "plan": "before loading: slots per slot format, predicted tok/s, a recommendation",
+    "probe": "measure CPU matmul rate, memory and PCIe bandwidth into a profile for 'sim --hardware FILE'",
+    "trace": "import, synthesise, inspect or record routing traces",
+    "generate": "generate text with the expert cache and report speed and hits",
+    "serve": "serve a model over an OpenAI-compatible HTTP API",
+    "bench": "decode benchmark: baselines vs the cache on real expert weights",
+    "demo": "simulator table + live benchmark on the built-in trace, with plots",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser; given ``argv``, only the command it names is built in full."""
     parser = argparse.ArgumentParser(
         prog="expertcache",
         description="A persistent GPU expert cache for Mixture-of-Experts models: "
@@ -23,13 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
     parser.add_argument("--version", action="version", version=f"expertcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(f"{__name__}.{name.replace('-', '_')}").add_parser(sub)
+    chosen = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
+    for name, text in COMMANDS.items():
+        if chosen is None or name == chosen:
+            importlib.import_module(f"{__name__}.{name.replace('-', '_')}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

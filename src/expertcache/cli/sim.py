@@ -58,8 +58,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..sim.hardware import load_hardware
-    from ..sim.mrc import sweep, sweep_sizes
-    from ..sim.plot import plot_curves
+    from ..sim.mrc import OPTIMUM, sweep, sweep_sizes
     from ..sim.replay import Prepared, resolve_policy, slots_for_fraction
     from ..sim.report import document, expert_cost, rows
 
@@ -67,8 +66,7 @@ def run(args) -> int:
     policies = [s for s in args.policy.split(",") if s.strip()]
     if not policies:
         raise ValueError("--policy is empty; name at least one, e.g. --policy lru,belady")
-    for spec in policies:
-        resolve_policy(spec)  # unknown names fail before any replay
+    specs = [resolve_policy(spec) for spec in policies]  # unknown names fail before any replay
     hw = load_hardware(args.hardware)
     cost = expert_cost(trace, args.expert_bytes, args.model, args.dense_bytes, args.quant)
     if args.sweep is not None:
@@ -85,12 +83,12 @@ def run(args) -> int:
                                   args.imatrix_mode, args.imatrix_slots)
     else:
         with _progress(len(policies) * len(slots)) as tick:
-            results = sweep(prep, policies, slots, args.partition, workers=args.workers,
+            results = sweep(prep, specs, slots, args.partition, workers=args.workers,
                             progress=tick)
     # Belady's runs give opt_misses (and the plot's optimum); a pinned belady is no optimum.
     optimum = [r for r in results
-               if (r.policy, r.admission) == ("belady", "always") and not args.imatrix]
-    extra = [] if optimum else sweep(prep, ["belady"], slots, args.partition, workers=1)
+               if (r.policy, r.admission) == (OPTIMUM, "always") and not args.imatrix]
+    extra = [] if optimum else sweep(prep, [OPTIMUM], slots, args.partition, workers=1)
     opt = {r.slots: r.misses for r in optimum or extra}
     table = rows(trace, results, opt, cost, hw, args.miss_path, args.slot_format)
     _print_table(trace, table, hw.name, cost is not None)
@@ -98,6 +96,7 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps(document(trace, table, hw, args.miss_path, cost,
                                                        args.slot_format), indent=2) + "\n")
     if args.plot:
+        from ..sim.plot import plot_curves
         title = f"{trace.meta.get('model', 'trace')}: {trace.num_tokens} tokens, {args.partition}"
         plot_curves(results + extra, args.plot, title=title,
                     total_experts=trace.num_layers * trace.num_experts)
@@ -151,25 +150,38 @@ class _progress:
             self.bar.stop()
 
 
-def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None:
-    from rich.console import Console
-    from rich.table import Table
+COLUMNS = ("policy", "partition", "slots", "hit rate", "misses", "opt misses", "x opt", "tok/s")
+# Box characters as rich draws a heavy-headed table; plain ASCII where stdout cannot encode them.
+_BOX = {"utf": ("┏━┳┓", "┃", "┡━╇┩", "│", "└─┴┘"), "ascii": ("+-++", "|", "+=++", "|", "+-++")}
 
-    t = Table(title=f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x "
-                    f"{trace.num_experts} experts, top-{trace.top_k}, {trace.num_tokens} tokens",
-              title_justify="left")
-    t.caption = f"x opt: misses / Belady's; tok/s: cost model on {hw_name}"
-    for col in ("policy", "partition", "slots", "hit rate", "misses", "opt misses", "x opt",
-                "tok/s"):
-        t.add_column(col, justify="left" if col in ("policy", "partition") else "right",
-                     no_wrap=col == "policy")  # labels like 'default (next-use)' stay whole
+
+def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None:
+    """The results as a text table on stdout (written out here: importing rich for it
+    took a quarter of a whole ``expertcache sim`` run)."""
+    rows = []
     for row in table:
         opt = row["opt_misses"]
-        ratio = f"{row['misses'] / opt:.2f}" if opt else "-"
-        tok = f"{row['predicted_tok_s']:.1f}" if row["predicted_tok_s"] else "-"
-        t.add_row(row["label"], row["partition"], str(row["slots"]), f"{row['hit_rate']:.4f}",
-                  str(row["misses"]), str(opt), ratio, tok)
-    console = Console(width=max(Console().width, 100))
-    console.print(t)
+        rows.append((row["label"], row["partition"], str(row["slots"]), f"{row['hit_rate']:.4f}",
+                     str(row["misses"]), str(opt), f"{row['misses'] / opt:.2f}" if opt else "-",
+                     f"{row['predicted_tok_s']:.1f}" if row["predicted_tok_s"] else "-"))
+    widths = [max([len(col)] + [len(r[i]) for r in rows]) for i, col in enumerate(COLUMNS)]
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    top, head_bar, rule, bar, bottom = _BOX["utf" if encoding.startswith("utf") else "ascii"]
+
+    def border(chars: str) -> str:
+        left, fill, mid, right = chars
+        return left + mid.join(fill * (w + 2) for w in widths) + right
+
+    def cells(values, sep: str) -> str:
+        return sep + sep.join(f" {v:<{w}} " if i < 2 else f" {v:>{w}} "  # names left, numbers right
+                              for i, (v, w) in enumerate(zip(values, widths))) + sep
+
+    width = sum(widths) + 3 * len(widths) + 1
+    caption = f"x opt: misses / Belady's; tok/s: cost model on {hw_name}"
+    lines = [f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x "
+             f"{trace.num_experts} experts, top-{trace.top_k}, {trace.num_tokens} tokens",
+             border(top), cells(COLUMNS, head_bar), border(rule),
+             *(cells(r, bar) for r in rows), border(bottom), caption.center(width).rstrip()]
     if not has_cost:
-        console.print("tok/s and bytes moved need the expert size: give --expert-bytes or --model")
+        lines.append("tok/s and bytes moved need the expert size: give --expert-bytes or --model")
+    sys.stdout.write("\n".join(lines) + "\n")

@@ -11,6 +11,7 @@ from .registry import register
 @register
 class Always(AdmissionPolicy):
     name = "always"
+    kernel = 0  # the code sim/kernels/skeleton.py compiles in (ALWAYS)
     description = "admit every missed key (plain demand caching)"
     records = False
 
@@ -31,6 +32,7 @@ class Never(AdmissionPolicy):
 @register
 class SecondHit(AdmissionPolicy):
     name = "second-hit"
+    kernel = 1  # SECOND_HIT
     description = ("admit a key seen before (still in a bounded ghost list of `ghost` recent keys); "
                    "free slots take anything")
     params = {"ghost": 4096}
@@ -61,6 +63,7 @@ class SecondHit(AdmissionPolicy):
 @register
 class Window(AdmissionPolicy):
     name = "window"
+    kernel = 2  # WINDOW
     description = ("admit a key used at least `n` times (this use included) within its layer's last "
                    "`w` steps; free slots take anything")
     params = {"n": 2, "w": 16}

@@ -23,6 +23,7 @@ from .registry import register
 @register
 class ARC(EvictionPolicy):
     name = "arc"
+    kernel = "arc"  # sim/kernels/arc.py
     description = "adaptive replacement cache: recency and frequency lists with ghost-tuned sizes"
 
     def __init__(self, capacity: int, **params: object) -> None:

@@ -30,12 +30,21 @@ class EvictionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # True for oracles that must be given the future (see ``bind_future``).
     needs_future: ClassVar[bool] = False
+    # The simulator's exact numba kernel for this class (a module of expertcache.sim.kernels),
+    # or None. Subclasses that override a hook lose it (they replay through SlotTable).
+    kernel: ClassVar[str | None] = None
 
     def __init__(self, capacity: int, **params: object) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"policy {self.name or type(self).__name__!r} needs a capacity of at "
                              f"least 1 slot, got {capacity!r}")
         self.capacity = capacity
+
+    @classmethod
+    def wants_future(cls, params: dict[str, object]) -> bool:
+        """Whether an instance with these parameters will need ``bind_future``; for checks
+        made before any instance exists (``registry.needs_future``)."""
+        return cls.needs_future
 
     def on_insert(self, key: int, now: int) -> None:
         raise NotImplementedError
@@ -76,6 +85,8 @@ class AdmissionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # False lets the table skip ``record`` calls on its hot path.
     records: ClassVar[bool] = True
+    # The code of this rule in the simulator's kernels (sim/kernels/skeleton.py), or None.
+    kernel: ClassVar[int | None] = None
 
     def __init__(self, **params: object) -> None:
         pass

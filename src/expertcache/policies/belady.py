@@ -53,6 +53,7 @@ class Future:
 @register
 class Belady(EvictionPolicy):
     name = "belady"
+    kernel = "belady"  # sim/kernels/belady.py
     description = "offline optimum (Belady's MIN): evict the key used farthest in the future; replays only"
     needs_future = True
 

@@ -10,6 +10,7 @@ from .registry import register
 @register
 class FIFO(LRU):
     name = "fifo"
+    kernel = "lru"  # sim/kernels/lru.py (hits do not reorder)
     description = "first in, first out: evict the key that was loaded longest ago; hits do not reorder"
 
     def on_access(self, key: int, now: int) -> None:

@@ -20,6 +20,7 @@ from .registry import register
 @register
 class LFU(EvictionPolicy):
     name = "lfu"
+    kernel = "lfu"  # sim/kernels/lfu.py
     description = "least frequently used; all counts halve every `decay` touches (0 = 8 x capacity)"
     params = {"decay": 0}
 

@@ -11,6 +11,7 @@ from .registry import register
 @register
 class LRU(EvictionPolicy):
     name = "lru"
+    kernel = "lru"  # sim/kernels/lru.py
     description = "least recently used: evict the key whose last use is oldest"
 
     def __init__(self, capacity: int, **params: object) -> None:

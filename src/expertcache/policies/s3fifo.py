@@ -37,6 +37,7 @@ MAX_FREQ = 3
 @register
 class S3FIFO(EvictionPolicy):
     name = "s3fifo"
+    kernel = "s3fifo"  # sim/kernels/s3fifo.py
     description = "S3-FIFO: small probation FIFO (`small` share, default 0.1), main CLOCK FIFO, ghost FIFO"
     params = {"small": 0.1}
 

@@ -18,6 +18,7 @@ from .registry import register
 @register
 class SLRU(EvictionPolicy):
     name = "slru"
+    kernel = "slru"  # sim/kernels/slru.py
     description = "segmented LRU: probation then protected segment (`protected` share, default 0.8)"
     params = {"protected": 0.8}
 

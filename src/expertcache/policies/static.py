@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from .base import EvictionPolicy
-from .registry import make_eviction, register
+from .registry import eviction_class, make_eviction, register
 
 
 def parse_keys(keys: object) -> tuple[int, ...]:
@@ -53,6 +53,11 @@ class Static(EvictionPolicy):
         # are spread over partitions, so how many land in this one is not known here.
         self.inner = make_eviction(inner, capacity)
         self.needs_future = self.inner.needs_future
+
+    @classmethod
+    def wants_future(cls, params: dict[str, object]) -> bool:
+        inner = params.get("inner", cls.params["inner"])
+        return inner != cls.name and eviction_class(inner).wants_future({})
 
     def pinned_keys(self):
         return self.keys

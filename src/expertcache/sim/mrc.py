@@ -1,10 +1,10 @@
 """Sweeps: many policies at many sizes, as fast as exactness allows.
 
-Plain ``lru`` gets every size from one stack-distance pass; ``fifo``, ``slru``, ``arc``, ``lfu``,
-``s3fifo``, ``belady`` and lru / fifo with second-hit or window admission run exact numba
-kernels per size; every other policy (including
-third-party entry-point policies) replays through ``SlotTable`` in worker
-processes, one job per (policy, size).
+Plain ``lru`` at several sizes gets every size from one stack-distance pass; every
+policy with a kernel (``sim.kernels``) runs it per size; every other policy
+(including third-party entry-point policies) replays through ``SlotTable`` in
+worker processes, one job per (policy, size). Policy names are resolved and every
+size validated once, before any work.
 """
 
 from __future__ import annotations
@@ -15,43 +15,43 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
 
-from ..stats import Stats
+from ..policies.belady import Belady
 from ..trace.format import Trace
-from .replay import (PolicySpec, Prepared, ReplayResult, check_table, fast_counts, has_kernel,
-                     kernel_fits, lru_all_sizes, resolve_policy, table_replay)
+from .replay import (PolicySpec, Prepared, ReplayResult, check_size, check_table, kernel_for,
+                     kernel_result, resolve_policy, table_replay)
 
-OPTIMUM = "belady"
+OPTIMUM = Belady.name
+STACK_SIZES = 3  # from this many LRU sizes on, one stack-distance pass beats a kernel per size
 
 _WORKER: Prepared | None = None  # the trace inside a worker process
 
 
-def sweep(trace: Trace | Prepared, policies: Sequence[str], slots_list: Sequence[int],
-          partition: str = "global", *, workers: int | None = None,
+def sweep(trace: Trace | Prepared, policies: Sequence[str | PolicySpec],
+          slots_list: Sequence[int], partition: str = "global", *, workers: int | None = None,
           progress: Callable[[int, int], None] | None = None) -> list[ReplayResult]:
     """Every policy spec at every size; results in (policy, size) order.
 
     ``progress(done, total)`` is called as jobs finish (the CLI draws a bar).
     """
     prep = trace if isinstance(trace, Prepared) else Prepared(trace)
-    specs = [resolve_policy(p) for p in policies]
+    specs = [p if isinstance(p, PolicySpec) else resolve_policy(p) for p in policies]
     slots_list = list(dict.fromkeys(int(s) for s in slots_list))
     if not specs or not slots_list:
         raise ValueError("a sweep needs at least one policy and one size")
     for spec in specs:  # fail fast on bad sizes or parameters, before any work
         for slots in slots_list:
-            check_table(prep.trace, spec, slots, partition)
-    fits = kernel_fits(prep)
-    slow = [(i, slots) for i, spec in enumerate(specs) if not (fits and _fast(spec))
-            for slots in slots_list]
+            check_size(prep.trace, spec, slots, partition)
+    kernels = [kernel_for(prep, spec) for spec in specs]
+    slow = [(i, slots) for i, k in enumerate(kernels) if k is None for slots in slots_list]
     done: dict[tuple[int, int], ReplayResult] = {}
     total, tick = len(specs) * len(slots_list), _ticker(progress, len(specs) * len(slots_list))
     pool = _pool(prep, workers, len(slow))
     try:
         futures = {pool.submit(_table_job, specs[i], slots, partition): (i, slots)
                    for i, slots in slow} if pool else {}
-        for i, spec in enumerate(specs):  # fast ones here while the pool works
-            if fits and _fast(spec):
-                for r in _fast_results(prep, spec, slots_list, partition):
+        for i, (spec, kernel) in enumerate(zip(specs, kernels)):  # kernels here meanwhile
+            if kernel is not None:
+                for r in _kernel_results(prep, spec, kernel, slots_list, partition):
                     done[i, r.slots] = r
                     tick()
         if pool:
@@ -71,10 +71,7 @@ def sweep(trace: Trace | Prepared, policies: Sequence[str], slots_list: Sequence
 
 def optimum_misses(prep: Prepared, slots_list: Sequence[int], partition: str) -> dict[int, int]:
     """Belady's misses at each size: the ``opt_misses`` every result is compared with."""
-    spec = resolve_policy(OPTIMUM)
-    if not kernel_fits(prep):
-        return {s: _table_result(prep, spec, s, partition).misses for s in slots_list}
-    return {r.slots: r.misses for r in _fast_results(prep, spec, slots_list, partition)}
+    return {r.slots: r.misses for r in sweep(prep, [OPTIMUM], slots_list, partition, workers=1)}
 
 
 def sweep_sizes(trace: Trace, partition: str, points: int) -> list[int]:
@@ -88,27 +85,18 @@ def sweep_sizes(trace: Trace, partition: str, points: int) -> list[int]:
 
 
 # -- jobs -----------------------------------------------------------------------
-def _fast(spec: PolicySpec) -> bool:
-    return has_kernel(spec)
-
-
-def _fast_results(prep: Prepared, spec: PolicySpec, slots_list, partition) -> list[ReplayResult]:
-    if (spec.eviction, spec.admission) == ("lru", "always"):
-        out = lru_all_sizes(prep, slots_list, partition)
-    else:
-        out = []
-        for slots in slots_list:
-            counts, engine = fast_counts(prep, spec, slots, partition)
-            out.append(ReplayResult(spec.eviction, spec.admission, partition, slots,
-                                    Stats(counts.tolist()), engine, spec.label))
-    for r in out:
-        r.label = spec.label
-    return out
+def _kernel_results(prep: Prepared, spec: PolicySpec, kernel, slots_list,
+                    partition) -> list[ReplayResult]:
+    all_sizes = getattr(kernel, "all_sizes", None)  # one pass for every size, if it applies
+    if all_sizes is not None and len(slots_list) >= STACK_SIZES:
+        out = all_sizes(prep, spec, slots_list, partition)
+        if out is not None:
+            return out
+    return [kernel_result(prep, spec, kernel, slots, partition) for slots in slots_list]
 
 
 def _table_result(prep: Prepared, spec: PolicySpec, slots: int, partition: str) -> ReplayResult:
-    table = check_table(prep.trace, spec, slots, partition)
-    stats = table_replay(prep, table)
+    stats = table_replay(prep, check_table(prep.trace, spec, slots, partition))
     return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, "table", spec.label)
 
 

@@ -12,7 +12,11 @@ from .replay import ReplayResult
 def plot_curves(results: Sequence[ReplayResult], path: str | Path, *, title: str = "",
                 total_experts: int | None = None) -> Path:
     """One line per policy label; ``belady`` drawn as the black dashed optimum."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: "
+                         "pip install 'expertcache[plot]'") from None
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 

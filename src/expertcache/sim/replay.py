@@ -1,6 +1,6 @@
 """Replay a routing trace through ``SlotTable``: the simulator's ground truth.
 
-Semantics (issue 3): cold start; steps run token-major (token 0 layers
+Semantics (docs/simulator.md): cold start; steps run token-major (token 0 layers
 0..L-1, then token 1, ...); every access is counted; a hit is a key resident
 when its step begins; the phase comes from the trace. A recorded trace (meta
 ``prefill_steps: batched``) replays its prompt as one step per layer, the
@@ -8,29 +8,25 @@ union of the prompt tokens' experts, as the live run planned it
 (``trace.steps``); the kernels take such steps padded to the widest. ``belady`` is the exact
 optimum with forced admission: the table is handed a ``Future`` built from the
 same steps. The table is the runtime's own code, so simulated and live hit
-rates cannot drift apart; ``sim.fast``, ``sim.fast_lists``, ``sim.fast_s3fifo`` and
-``sim.fast_next_use`` kernels are exact copies of it for lru, fifo, belady, slru, arc,
-lfu, s3fifo and next-use (alias default)
-(tested equal) and are used when they apply.
+rates cannot drift apart; the numba kernels of ``sim.kernels`` (one step loop, one
+module of hooks per built-in policy) reproduce it counter for counter (tested
+equal) and are used when they apply.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
-from ..cache import PARTITIONS, SlotTable
+from ..cache import SlotTable, partition_shares
 from ..policies.belady import Future
-from ..policies.registry import eviction_policies, parse_policy
-from ..stats import Counts, Stats
+from ..policies.registry import admission_class, check_params, eviction_class, parse_policy
+from ..stats import PREFILL, Counts, Stats
 from ..trace.format import Trace
 
-FAST_POLICIES = ("lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo", "next-use", "default")
-# Admission policies the lru / fifo kernels reproduce, by kernel code (sim.fast.ADMIT_*).
-FAST_ADMISSIONS = {"always": 0, "second-hit": 1, "window": 2}
 ENGINES = ("auto", "table", "fast")
 
 
@@ -44,7 +40,7 @@ class ReplayResult:
     slots: int         # total slots (per-layer: ``slots // L`` each)
     stats: Stats
     engine: str        # "table" (SlotTable) or the fast kernel used
-    label: str = ""    # what the user asked for, e.g. "default" -> "default (lru)"
+    label: str = ""    # what the user asked for, e.g. "default" -> "default (next-use)"
 
     @property
     def total(self) -> Counts:
@@ -69,37 +65,36 @@ class ReplayResult:
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A parsed ``EVICTION[:k=v][+ADMISSION[:k=v]]`` with the label to show for it."""
+    """A parsed ``EVICTION[:k=v][+ADMISSION[:k=v]]``, resolved and validated once: the classes,
+    the parameters merged with their defaults, and the label to show for it."""
 
     eviction: str
     admission: str
     label: str
-    eviction_params: tuple = ()   # (name, value) pairs as given on the command line
-    admission_params: tuple = ()
+    eviction_cls: type = None
+    admission_cls: type = None
+    eviction_params: dict = field(default_factory=dict)
+    admission_params: dict = field(default_factory=dict)
 
-    def params(self, eviction_params: dict | None, admission_params: dict | None) -> tuple[dict, dict]:
-        """Explicit parameters win over the spec's own."""
-        return (dict(self.eviction_params) if eviction_params is None else eviction_params,
-                dict(self.admission_params) if admission_params is None else admission_params)
+    def policy(self, capacity: int):
+        """A fresh eviction policy of this spec (its own range checks run here)."""
+        return self.eviction_cls(capacity, **self.eviction_params)
 
 
-def resolve_policy(spec: str) -> PolicySpec:
-    """Parse a spec, check both names are registered and their parameters (ValueErrors with
-    the Python API's messages).
-
-    ``default`` means the registry's ``default`` policy when one is registered,
-    else ``lru``; the label then says which ran.
-    """
+def resolve_policy(spec: str, eviction_params: dict | None = None,
+                   admission_params: dict | None = None) -> PolicySpec:
+    """Parse a spec (``slru:protected=0.5+second-hit``), look both names up (ValueError lists
+    the known ones) and check the parameters; explicit ``*_params`` win over the spec's own.
+    ``default`` is labelled with the policy it stands for."""
+    parsed = parse_policy(spec)
     label = spec.strip()
-    fallback = label.split("+")[0].split(":")[0].strip() == "default" and "default" not in eviction_policies()
-    p = parse_policy(label.replace("default", "lru", 1) if fallback else label)
-    if fallback:
-        label = label.replace("default", "default (lru)", 1)
-    elif p.eviction == "default":
-        from ..policies.registry import eviction_class
-        label = label.replace("default", f"default ({_aliased(eviction_class('default'))})", 1)
-    return PolicySpec(p.eviction, p.admission, label, tuple(p.eviction_params.items()),
-                      tuple(p.admission_params.items()))
+    ev_cls, ad_cls = eviction_class(parsed.eviction), admission_class(parsed.admission)
+    if parsed.eviction == "default":
+        label = label.replace("default", f"default ({_aliased(ev_cls)})", 1)
+    ev = parsed.eviction_params if eviction_params is None else eviction_params
+    ad = parsed.admission_params if admission_params is None else admission_params
+    return PolicySpec(parsed.eviction, parsed.admission, label, ev_cls, ad_cls,
+                      check_params(ev_cls, dict(ev)), check_params(ad_cls, dict(ad)))
 
 
 def _aliased(cls) -> str:
@@ -118,21 +113,22 @@ def slots_for_fraction(trace: Trace, fraction: float) -> int:
     return max(1, round(fraction * trace.num_layers * trace.num_experts))
 
 
-def per_partition(slots: int, partition: str, num_layers: int) -> int:
-    return slots if partition == "global" else slots // num_layers
+def check_size(trace: Trace, spec: PolicySpec, slots: int, partition: str) -> int:
+    """Validate one size for a resolved spec (slots, partition, top-k, the policy's own
+    range checks) without building a table; returns the per-partition capacity."""
+    cap = partition_shares(trace.num_layers, trace.num_experts, slots, partition,
+                           trace.top_k)[0][1]
+    spec.policy(cap)
+    return cap
 
 
 def check_table(trace: Trace, spec: PolicySpec, slots: int, partition: str,
-                eviction_params: dict | None = None,
-                admission_params: dict | None = None, pinned: Sequence[int] = ()) -> SlotTable:
-    """Build the table once: it validates slots, partition, top-k and parameters."""
-    if partition not in PARTITIONS:
-        raise ValueError(f"unknown partition {partition!r}; use one of {', '.join(PARTITIONS)}")
-    eviction_params, admission_params = spec.params(eviction_params, admission_params)
+                pinned: Sequence[int] = ()) -> SlotTable:
+    """A fresh table for ``spec`` at one size (it validates everything it is given)."""
     return SlotTable(trace.num_layers, trace.num_experts, slots, eviction=spec.eviction,
                      admission=spec.admission, partition=partition, top_k=trace.top_k,
-                     pinned=pinned, eviction_params=eviction_params,
-                     admission_params=admission_params)
+                     pinned=pinned, eviction_params=spec.eviction_params,
+                     admission_params=spec.admission_params)
 
 
 class Prepared:
@@ -157,14 +153,14 @@ class Prepared:
 
     @cached_property
     def keys(self) -> np.ndarray:        # int32 [R*L, W], -1 = padding or a repeat within a step
-        from ..trace.steps import row_keys
-        from .fast import step_keys
+        from ..trace.steps import row_keys, step_rows
         P = self.prompt
         tokens = step_keys(self.trace.experts[:, P:], self.E)  # [(T-P)*L, K]
         if not P:
             return tokens
         # The batched prompt's steps are wider than K: pad every row to the widest.
-        head = row_keys(self.step_lists[:1], self.E, tokens.shape[1])
+        prompt_rows = step_rows(self.trace.slice_tokens(P), "batched")[0]  # its one row
+        head = row_keys(prompt_rows, self.E, tokens.shape[1])
         keys = np.full((head.shape[0] + tokens.shape[0], head.shape[1]), -1, np.int32)
         keys[:head.shape[0]] = head
         keys[head.shape[0]:, :tokens.shape[1]] = tokens
@@ -177,11 +173,14 @@ class Prepared:
 
     @cached_property
     def phases(self) -> np.ndarray:      # uint8 [R*L]
-        return np.repeat(np.asarray(self.row_phases, dtype=np.uint8), self.L)
+        rows = self.trace.phases[self.prompt:].astype(np.uint8)
+        if self.prompt:
+            rows = np.concatenate([np.array([PREFILL], np.uint8), rows])
+        return np.repeat(rows, self.L)
 
     @cached_property
-    def nexts(self) -> np.ndarray:       # int64 [R*L, W] next step using each key
-        from .fast import next_uses
+    def nexts(self) -> np.ndarray:       # int64 [R*L, W] next step using each key, or NEVER
+        from .kernels.belady import next_uses
         return next_uses(self.keys)
 
     @cached_property
@@ -193,7 +192,7 @@ class Prepared:
     @cached_property
     def widest_step(self) -> int:
         """Most keys one step needs: top-k, or more for a batched prompt."""
-        return max((len(ex) for ex in self.step_lists[0]), default=0) if self.prompt \
+        return int((self.keys[:self.L] >= 0).sum(axis=1).max()) if self.prompt \
             else self.trace.top_k
 
     def future(self) -> Future:
@@ -202,9 +201,30 @@ class Prepared:
                       for tok in self.step_lists for layer, ex in enumerate(tok))
 
 
-def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "global", *,
-           pinned: Iterable[int] = (), seed: Sequence[int] = (), engine: str = "auto",
-           eviction_params: dict | None = None,
+def step_keys(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """Token-major step keys: ``int32 [T*L, K]``, repeats within a step as -1.
+
+    ``experts`` is ``int16 [L, T, K]``; step ``s = t*L + l`` needs ``keys[s]``.
+    SlotTable.step keeps the first of repeated experts (dict.fromkeys), and so does this.
+    """
+    L, T, K = experts.shape
+    keys = experts.transpose(1, 0, 2).astype(np.int32)            # T, L, K
+    keys += (np.arange(L, dtype=np.int32) * num_experts)[None, :, None]
+    keys = keys.reshape(T * L, K)
+    srt = np.sort(keys, axis=1)
+    rows = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))  # repeats are rare
+    if rows.size:
+        sub = keys[rows]
+        orig = sub.copy()
+        for j in range(1, K):
+            sub[(orig[:, :j] == orig[:, j:j + 1]).any(axis=1), j] = -1
+        keys[rows] = sub
+    return keys
+
+
+def replay(trace: Trace | Prepared, policy: str | PolicySpec, slots: int,
+           partition: str = "global", *, pinned: Iterable[int] = (), seed: Sequence[int] = (),
+           engine: str = "auto", eviction_params: dict | None = None,
            admission_params: dict | None = None) -> ReplayResult:
     """Replay ``trace`` under ``policy`` (``EVICTION[+ADMISSION]``) with ``slots`` in total.
 
@@ -213,103 +233,73 @@ def replay(trace: Trace | Prepared, policy: str, slots: int, partition: str = "g
     the SlotTable path; ``'auto'`` takes the kernel when it applies.
     """
     prep = trace if isinstance(trace, Prepared) else Prepared(trace)
-    spec = resolve_policy(policy)
+    spec = policy if isinstance(policy, PolicySpec) else \
+        resolve_policy(policy, eviction_params, admission_params)
     pinned, seed = list(pinned), list(seed)
-    table = check_table(prep.trace, spec, slots, partition, eviction_params, admission_params,
-                        pinned)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-    fast_ok = has_kernel(spec) and not pinned and not seed and kernel_fits(prep)
-    if engine == "fast" and not fast_ok:
+    kernel = None if pinned or seed else kernel_for(prep, spec)
+    if engine == "fast" and kernel is None:
+        from .kernels import have_numba
+        if not have_numba():
+            raise ValueError("engine 'fast' needs numba, which is not installed: "
+                             "pip install 'expertcache[sim]' (or use engine 'table' or 'auto')")
         raise ValueError(f"no fast kernel for {spec.label!r} with these options; kernels cover "
-                         "lru and fifo (admission always, second-hit or window), belady, slru, "
-                         "arc, lfu, s3fifo and next-use, without pinned or seeded keys (use engine 'table' or 'auto')")
-    if fast_ok and engine != "table":
-        counts, name = fast_counts(prep, spec, slots, partition, eviction_params,
-                                   admission_params)
-        stats = Stats(counts.tolist())
-    else:
-        stats, name = table_replay(prep, table, seed), "table"
-    return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, name, spec.label)
+                         "lru, fifo, belady, slru, arc, lfu, s3fifo and next-use with admission "
+                         "always, second-hit or window, without pinned or seeded keys (use "
+                         "engine 'table' or 'auto')")
+    if kernel is not None and engine != "table":
+        return kernel_result(prep, spec, kernel, slots, partition)
+    stats = table_replay(prep, check_table(prep.trace, spec, slots, partition, pinned), seed)
+    return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, "table", spec.label)
 
 
-def kernel_fits(prep: Prepared) -> bool:
-    """Kernels pack keys into 21 bits (belady) and use counts below 2**27 (lfu):
-    bigger tables or traces replay through SlotTable instead."""
-    from .fast import KEY_BITS
-    return prep.L * prep.E < (1 << KEY_BITS) and prep.trace.experts.size < (1 << 27)
+def kernel_for(prep: Prepared, spec: PolicySpec):
+    """The kernel module that reproduces ``spec`` on this trace, or None (see ``sim.kernels``)."""
+    from .kernels import kernel_module
+    module = kernel_module(spec.eviction_cls, spec.admission_cls)
+    if module is None or not getattr(module, "fits", _fits)(prep):
+        return None
+    return module
 
 
-def has_kernel(spec: PolicySpec) -> bool:
-    """True if a numba kernel reproduces ``spec`` (with any parameter values)."""
-    if spec.eviction in ("lru", "fifo"):
-        return spec.admission in FAST_ADMISSIONS
-    if spec.eviction in ("next-use", "default"):
-        # the kernel mirrors NextUse itself: a plugin registered as 'default' is not it
-        from ..policies.next_use import NextUse
-        from ..policies.registry import eviction_class
-        cls = eviction_class(spec.eviction)
-        same = ("victim", "on_insert", "on_access", "on_remove", "_use")
-        if not (issubclass(cls, NextUse) and all(getattr(cls, f) is getattr(NextUse, f) for f in same)):
-            return False
-    return spec.eviction in FAST_POLICIES and spec.admission == "always"
+def _fits(prep: Prepared) -> bool:
+    # Step numbers are int32 in the kernels: far more than any trace holds.
+    return prep.keys.shape[0] < (1 << 31)
 
 
-def fast_counts(prep: Prepared, spec: PolicySpec, slots: int, partition: str,
-                eviction_params: dict | None = None,
-                admission_params: dict | None = None) -> tuple[np.ndarray, str]:
-    """Counts ``[2, L, 6]`` from the numba kernel for ``spec`` at one size."""
-    from ..policies.registry import admission_class, check_params, eviction_class
-    from . import fast, fast_lists
+def kernel_result(prep: Prepared, spec: PolicySpec, kernel, slots: int,
+                  partition: str) -> ReplayResult:
+    """One size through ``kernel`` (from ``kernel_for``); validates the size first."""
+    from .kernels import admission_args
+    cap = check_size(prep.trace, spec, slots, partition)
     parts = 1 if partition == "global" else prep.L
-    cap = per_partition(slots, partition, prep.L)
-    name = f"{spec.eviction}-kernel"
-    eviction_params, admission_params = spec.params(eviction_params, admission_params)
-    args = (prep.keys, prep.phases, prep.L, prep.E, parts, cap)
-    ev = check_params(eviction_class(spec.eviction), eviction_params or {})
-    if spec.eviction == "belady":
-        return fast.belady_replay(prep.keys, prep.nexts, prep.phases, prep.L, prep.E,
-                                  parts, cap), name
-    if spec.eviction == "slru":
-        return fast_lists.slru_replay(*args, int(ev["protected"] * cap)), name
-    if spec.eviction == "arc":
-        return fast_lists.arc_replay(*args), name
-    if spec.eviction == "lfu":
-        return fast_lists.lfu_replay(*args, int(ev["decay"]) or 8 * cap), name
-    if spec.eviction in ("next-use", "default"):
-        from ..policies.registry import make_eviction
-        from .fast_next_use import next_use_replay
-        return next_use_replay(*args, make_eviction(spec.eviction, cap, **ev)), name
-    if spec.eviction == "s3fifo":
-        from ..policies.registry import make_eviction
-        from .fast_s3fifo import s3fifo_replay
-        target = make_eviction("s3fifo", cap, **ev).small_target  # the policy's own rounding
-        return s3fifo_replay(*args, target), name
-    ad = check_params(admission_class(spec.admission), admission_params or {})
-    counts = fast.list_replay(*args, spec.eviction == "lru", FAST_ADMISSIONS[spec.admission],
-                              int(ad.get("ghost", 1)), int(ad.get("n", 1)), int(ad.get("w", 1)))
-    return counts, name
+    counts = kernel.run(prep, spec.policy(cap), parts, cap,
+                        admission_args(spec.admission_cls, spec.admission_params))
+    return ReplayResult(spec.eviction, spec.admission, partition, slots, Stats(counts.tolist()),
+                        f"{spec.eviction}-kernel", spec.label)
 
 
-def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str) -> list[ReplayResult]:
-    """LRU at every size from one pass of stack distances (see ``sim.fast``)."""
-    from . import fast
-    spec = resolve_policy("lru")
-    for slots in slots_list:
-        check_table(prep.trace, spec, slots, partition)
+def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str,
+                  spec: PolicySpec | None = None) -> list[ReplayResult]:
+    """LRU at every size from one pass of stack distances (``sim.kernels.lru``)."""
+    from .kernels import lru
+    spec = spec or resolve_policy("lru")
+    caps = [check_size(prep.trace, spec, slots, partition) for slots in slots_list]
     parts = 1 if partition == "global" else prep.L
-    dist = fast.lru_distances(prep.keys, prep.phases, prep.L, prep.E, parts)
+    dist = None
     out = []
-    for slots in slots_list:
-        cap = per_partition(slots, partition, prep.L)
+    for slots, cap in zip(slots_list, caps):
         if cap < prep.widest_step:
             # A step wider than the cache bypasses part of itself and the stack argument
-            # (module doc of sim.fast) no longer holds: replay this size exactly instead.
-            counts, engine = fast_counts(prep, spec, slots, partition)
-        else:
-            counts, engine = fast.lru_counts_at(dist, cap, parts), "lru-stack"
+            # (module doc of sim.kernels.lru) no longer holds: replay this size exactly.
+            out.append(kernel_result(prep, spec, lru, slots, partition))
+            continue
+        if dist is None:
+            dist = lru.lru_distances(prep.keys, prep.phases, prep.L, prep.E, parts)
+        counts = lru.lru_counts_at(dist, cap, parts)
         out.append(ReplayResult("lru", "always", partition, slots, Stats(counts.tolist()),
-                                engine, "lru"))
+                                "lru-stack", spec.label))
     return out
 
 

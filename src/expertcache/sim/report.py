@@ -1,4 +1,4 @@
-"""Result rows for ``expertcache sim``: hit and miss counts plus the cost model's predictions."""
+"""Result rows for ``expertcache sim``: the JSON schema of docs/simulator.md plus the cost model."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def expert_cost(trace: Trace, expert_bytes: int | None = None, model: str | None
 def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
          cost: ExpertCost | None, hw: Hardware, miss_path: str = "auto",
          slot_format: str = "dequantized") -> list[dict]:
-    """One JSON-ready dict per result (docs/simulator.md lists the fields)."""
+    """One JSON-ready dict per result (schema: docs/simulator.md, "JSON")."""
     decode_tokens = int((trace.phases == DECODE).sum())
     path = chosen_path(cost, hw, miss_path, slot_format) if cost else miss_path
     out = []

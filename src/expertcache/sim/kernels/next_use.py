@@ -1,0 +1,182 @@
+"""Kernel of ``next-use`` and its alias ``default`` (policies/next_use.py).
+
+Per partition one policy state: its own pass length, latest step, gap histogram and
+score table; per key (kept after eviction) the step of its last use, its decayed
+count and its class; per partition and class a list of resident keys, oldest first
+(list ``p * NCLASS + class``).
+
+Floats follow the Python code operation for operation (``steps / period``,
+``math.exp``, sums of histogram counts, which are whole or halved numbers and so
+exact in any order), so the victims are the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, types
+from numba.typed import Dict
+
+from ...policies.next_use import _EDGES, _GAPS, _MIN_OBS, _NCLASS, _TRUST
+from .lists import append, new_lists, remove
+from . import skeleton
+from .skeleton import hook, specialize
+
+EDGES = np.array(_EDGES, np.float64)
+NRT = True  # the typed dict of `_believe` needs numba's reference counting
+
+
+def run(prep, policy, parts: int, cap: int, admission: tuple) -> np.ndarray:
+    """Counts ``[2, L, 6]`` of ``policy`` (a NextUse; its parameters) at ``cap`` slots."""
+    nkeys, NC = prep.L * prep.E, _NCLASS
+    # gaps shorter than the pass length -> sightings; key p << 40 | gap, value gen << 8 | n
+    # (a generation bump per partition stands for the policy's dict.clear())
+    shorter = _new_dict()
+    st = (*new_lists(nkeys, parts * NC),
+          np.full(nkeys, -1, np.int64),            # last use, -1: never used
+          np.zeros(nkeys, np.float64),             # decayed count
+          np.zeros(nkeys, np.int32),               # class
+          np.zeros(parts, np.int64),               # period (steps per pass), 0 until a reuse
+          np.zeros(parts, np.int64),               # latest step seen
+          np.zeros(parts, np.int64),               # reuses seen
+          np.zeros((parts, NC, _GAPS + 2), np.float64),  # gap histogram
+          np.zeros((parts, NC, _GAPS + 1), np.float64),  # score table
+          shorter, np.zeros(parts, np.int64),
+          float(policy.window), np.int64(policy.horizon), np.int64(policy.rebuild_every),
+          np.int64(policy.halve_every), EDGES)
+    return skeleton.run(replay, prep, parts, cap, st, admission)
+
+
+@njit(cache=True)
+def _new_dict():
+    return Dict.empty(types.int64, types.int64)
+
+
+STATE = ("prev", "nxt", "head", "tail", "size", "where", "last", "count", "cls_of", "period",
+         "now_p", "seen", "hist", "score", "shorter", "gen", "window", "horizon",
+         "rebuild_every", "halve_every", "edges")
+
+
+@hook
+def on_hit(key, p, s, j, prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
+           shorter, gen, window, horizon, rebuild_every, halve_every, edges):
+    """on_access = on_insert: learn from the use, then the key goes young in its class."""
+    c = _use(key, s, p, last, count, cls_of, period, now_p, seen, hist, score, shorter, gen,
+             window, horizon, rebuild_every, halve_every, edges)
+    if where[key] >= 0:
+        remove(key, where[key], prev, nxt, head, tail, size, where)
+    append(key, p * _NCLASS + c, prev, nxt, head, tail, size, where)
+
+
+on_insert = on_hit
+
+
+@hook
+def find_victim(p, s, stamp, prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
+                shorter, gen, window, horizon, rebuild_every, halve_every, edges):
+    return _victim(p, _NCLASS, head, nxt, stamp, s, last, score, period[p], now_p[p])
+
+
+@hook
+def _victim(p, NC, head, nxt, stamp, s, last, score, period, now):
+    """NextUse.victim: each class's oldest unprotected key; lowest odds, then oldest."""
+    per = period if period > 0 else 1
+    best, best_score, best_last = -1, 2.0, 0
+    for c in range(NC):
+        key = head[p * NC + c]
+        while key >= 0 and stamp[key] == s:
+            key = nxt[key]
+        if key < 0:
+            continue
+        age = (now - last[key]) // per
+        odds = score[p, c, age] if age < _GAPS else score[p, c, _GAPS]
+        if odds < best_score or (odds == best_score and last[key] < best_last):
+            best, best_score, best_last = key, odds, last[key]
+    return best
+
+
+@hook
+def on_evict(key, p, prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
+           shorter, gen, window, horizon, rebuild_every, halve_every, edges):
+    remove(key, where[key], prev, nxt, head, tail, size, where)
+
+
+@hook
+def _use(key, now, p, last, count, cls_of, period, now_p, seen, hist, score, shorter, gen,
+         window, horizon, rebuild_every, halve_every, edges):
+    """NextUse._use: record a use of ``key`` at step ``now``; returns its new class."""
+    now_p[p] = now
+    if last[key] < 0:
+        n = 1.0
+    elif now > last[key]:
+        steps = now - last[key]
+        if period[p] == 0 or (steps < period[p] and _believe(p, steps, shorter, gen)):
+            period[p] = steps
+        passes = steps / period[p]
+        gap = int(passes + 0.5)
+        hist[p, cls_of[key], gap if gap <= _GAPS else _GAPS + 1] += 1.0
+        n = 1.0 + count[key] * math.exp(-passes / window)
+        seen[p] += 1
+        if seen[p] % rebuild_every == 0:
+            _rebuild(p, hist, score, seen[p], horizon, halve_every)
+    else:
+        n = count[key]                  # same step again: no new evidence
+    c = 0
+    while c < edges.shape[0] and edges[c] <= n:   # bisect_right
+        c += 1
+    last[key], count[key], cls_of[key] = now, n, c
+    return c
+
+
+@njit(cache=True)
+def _believe(p, steps, shorter, gen):
+    """NextUse._believe, the dict keyed per partition and cleared by a generation bump."""
+    k = (np.int64(p) << 40) | steps
+    n = 0
+    if k in shorter:
+        v = shorter[k]
+        if v >> 8 == gen[p]:
+            n = v & 0xFF
+    n += 1
+    if n < _TRUST:
+        shorter[k] = (gen[p] << 8) | n
+        return False
+    gen[p] += 1
+    return True
+
+
+@njit(cache=True)
+def _rebuild(p, hist, score, seen, horizon, halve_every):
+    NC = hist.shape[1]
+    if seen % halve_every == 0:
+        for c in range(NC):
+            for g in range(hist.shape[2]):
+                hist[p, c, g] = hist[p, c, g] / 2
+    pooled = np.zeros(hist.shape[2], np.float64)
+    for g in range(hist.shape[2]):
+        for c in range(NC):
+            pooled[g] += hist[p, c, g]
+    pooled_score = _scores(pooled, horizon)
+    for c in range(NC):
+        total = 0.0
+        for g in range(hist.shape[2]):
+            total += hist[p, c, g]
+        score[p, c, :] = _scores(hist[p, c], horizon) if total >= _MIN_OBS else pooled_score
+
+
+@njit(cache=True)
+def _scores(row, h):
+    """score[a] = P(reuse within h passes | no reuse for a passes), as NextUse._scores."""
+    top = _GAPS + 1
+    later = np.zeros(top + 1, np.float64)
+    for g in range(top, 0, -1):
+        later[g - 1] = later[g] + row[g]
+    out = np.zeros(top, np.float64)
+    for a in range(top):
+        if later[a]:
+            out[a] = (later[a] - later[min(a + h, _GAPS)]) / later[a]
+    return out
+
+
+replay = specialize(globals(), "next_use_replay")
