@@ -76,8 +76,8 @@ def plan(policies: list[str], slots: list[int], *, baselines=BASELINES,
         if spec.strip() == OPTIMUM:
             continue  # belady is added once below, not as a causal policy
         p = resolve_policy(spec)
-        out += [Strategy("cache", n, p.eviction, p.admission, p.label, p.eviction_params, p.admission_params)
-                for n in slots]
+        out += [Strategy("cache", n, p.eviction, p.admission, p.label, tuple(p.eviction_params.items()),
+                         tuple(p.admission_params.items())) for n in slots]
     if optimum:
         out += [Strategy(OPTIMUM, n, OPTIMUM, "always", OPTIMUM) for n in slots]
     return out
