@@ -3,6 +3,9 @@
 - GPT-OSS MXFP4 (`*_blocks` + `*_scales`): `mxfp4_hf`.
 - Block FP8 (DeepSeek-V3, Qwen3-FP8; `float8_e4m3fn` + fp32 `weight_scale_inv`): `fp8_block`.
 
+The runtime keeps GPT-OSS's MXFP4 experts as ggml MXFP4 blocks (`mxfp4_hf_to_ggml`: the same
+bytes in another order, repacked once at load) and FP8 experts as their raw bytes (`FP8_E4M3`).
+
 Both compute in float32 and cast once, so every output dtype is the exactly rounded value.
 """
 
@@ -11,6 +14,12 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .formats import QuantFormat
+
+# Raw float8_e4m3fn bytes, one per element: not a ggml type (ggml_type -1), so
+# `quant.dequant.dequantize` refuses it; `runtime.quantized.Codec` pairs it with its scale part.
+FP8_E4M3 = QuantFormat("F8_E4M3", -1, 1, 1)
 
 # FP4 E2M1 values by nibble (bit 3 is the sign), as transformers' FP4_VALUES.
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -47,6 +56,20 @@ def mxfp4_hf(blocks: torch.Tensor, scales: torch.Tensor,
     # finite values for 0.5 and 0.0 as transformers' ldexp does
     exponent = (scales.to(torch.int32) - 127).unsqueeze(-1)  # [..., R, G, 1]
     return torch.ldexp(values, exponent).flatten(-2, -1).to(dtype)  # [..., R, G * 32]
+
+
+def mxfp4_hf_to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS MXFP4 -> ggml MXFP4 bytes `[..., R, C/32 * 17]` uint8, no value changes.
+
+    Both formats are 32 E2M1 values and one E8M0 scale byte per block; only the nibble order
+    differs (HF: element 2j low, 2j+1 high; ggml: element j low, j+16 high) and ggml puts the
+    scale byte first. So `dequant.dequantize(mxfp4_hf_to_ggml(b, s), "MXFP4", (R, C))` equals
+    `mxfp4_hf(b, s)` bit for bit (tests/test_hf_quant.py), and the ggml path serves both.
+    """
+    _check_mxfp4(blocks, scales)
+    nibbles = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2, -1)  # [..., R, G, 32] in order
+    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)                       # [..., R, G, 16] ggml order
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2, -1)   # [..., R, G * 17]
 
 
 def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
