@@ -214,6 +214,28 @@ def test_mxfp4_repack_is_lossless():
     assert torch.equal(dequantize(ggml.reshape(-1), "MXFP4", (2, 6, 128)), want)
 
 
+def test_mxfp4_repacked_in_chunks(tmp_path, monkeypatch):
+    """Experts are repacked a few at a time (bounded extra memory); the chunking changes no byte."""
+    from expertcache.config import CacheConfig
+    from expertcache.integrations import hf_quant
+
+    path = write_gpt_oss_mxfp4(tmp_path)
+    _, _, whole = hf_quant.load_hf_quantized(path, CacheConfig(slots=6), torch.device("cpu"))
+    monkeypatch.setattr(hf_quant, "_CHUNK", 3)  # 8 experts: chunks of 3, 3, 2
+    _, _, chunked = hf_quant.load_hf_quantized(path, CacheConfig(slots=6), torch.device("cpu"))
+    for a, b in zip(whole, chunked):
+        assert a.tensors.keys() == b.tensors.keys()
+        assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+    state = load_file(path / "model.safetensors")
+    bad = state["model.layers.0.mlp.experts.down_proj_scales"]
+    state["model.layers.0.mlp.experts.down_proj_scales"] = bad[:, :, :1].contiguous()
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"down_proj: MXFP4 experts need _blocks .* got \(8, 64, 2, 16\) "
+                                         r"and \(8, 64, 1\)") as err:
+        expertcache.offload(path, slots=6)
+    _one_line(err)
+
+
 def test_mxfp4_bytes_per_slot_and_miss(tmp_path):
     path = write_gpt_oss_mxfp4(tmp_path)
     hidden, inter = 64, 64

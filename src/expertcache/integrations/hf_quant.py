@@ -38,6 +38,7 @@ from ..sizes import format_size
 QUANT_METHODS = {"mxfp4": "GPT-OSS MXFP4", "fp8": "block FP8"}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _FLOAT_FORMATS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_CHUNK = 8  # experts repacked at once (MXFP4)
 _SKIPPED = ("activation_scale", "input_scale")  # static-activation extras: refused below, never loaded
 
 
@@ -152,6 +153,14 @@ class _Checkpoint:
         handle = self.where.get(key)
         return None if handle is None else handle.get_tensor(key)
 
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        handle = self.where.get(key)
+        return None if handle is None else tuple(handle.get_slice(key).get_shape())
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """``tensor[start:stop]`` read from the file without reading the rest."""
+        return self.where[key].get_slice(key)[start:stop]
+
     def need(self, key: str) -> torch.Tensor:
         tensor = self.get(key)
         if tensor is None:
@@ -197,14 +206,22 @@ def _mxfp4_layer(ckpt: _Checkpoint, prefix: str, module, qcfg: dict, dtype: torc
     """GPT-OSS MXFP4 experts of one layer, repacked into ggml MXFP4 parts (+ bias parts)."""
     tensors, parts, kinds = {}, [], []
     for proj, short in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
-        blocks, scales = ckpt.get(f"{prefix}.{proj}_blocks"), ckpt.get(f"{prefix}.{proj}_scales")
-        if blocks is None or scales is None:
-            raise ValueError(f"{ckpt.path}: {prefix}.{proj}_blocks / _scales missing; an MXFP4 checkpoint "
+        key = f"{prefix}.{proj}"
+        if ckpt.shape(key + "_blocks") is None or ckpt.shape(key + "_scales") is None:
+            raise ValueError(f"{ckpt.path}: {key}_blocks / _scales missing; an MXFP4 checkpoint "
                              f"stores every experts projection as *_blocks + *_scales (GPT-OSS layout)")
-        ggml = mxfp4_hf_to_ggml(blocks, scales)  # [E, R, G * 17], checks dtypes and shapes
-        experts, rows, groups = scales.shape
+        shape = ckpt.shape(key + "_scales")
+        if len(shape) != 3 or ckpt.shape(key + "_blocks") != (*shape, 16):
+            raise ValueError(f"{key}: MXFP4 experts need _blocks [E, R, C/32, 16] and _scales [E, R, C/32], got "
+                             f"{ckpt.shape(key + '_blocks')} and {shape}")
+        experts, rows, groups = shape
+        packed = torch.empty(experts, rows * groups * 17, dtype=torch.uint8)  # E experts, ggml bytes
+        for start in range(0, experts, _CHUNK):  # a few experts at a time: repacking needs 2-3x their bytes
+            stop = min(start + _CHUNK, experts)
+            ggml = mxfp4_hf_to_ggml(ckpt.rows(key + "_blocks", start, stop), ckpt.rows(key + "_scales", start, stop))
+            packed[start:stop] = ggml.reshape(stop - start, -1)
         parts.append(Part(f"{short}.weight", quant_format("MXFP4"), (rows, groups * 32)))
-        tensors[f"{short}.weight"] = ggml.reshape(experts, -1)
+        tensors[f"{short}.weight"] = packed
         kinds.append(Kind(proj, "one", (f"{short}.weight",)))
         bias = ckpt.get(f"{prefix}.{proj}_bias")
         if bias is not None:
