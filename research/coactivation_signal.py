@@ -1,4 +1,4 @@
-"""Does the current token's routing at OTHER keys predict a key's use soon? (issue 6, round three)
+"""Does the current token's routing at OTHER keys predict a key's use soon? (default-policy research, round three)
 
 Round three's ceiling fitted only each key's own history. Cross-key information is the
 one online, lossless signal it left out: experts that tend to be used in the tokens

@@ -2,7 +2,7 @@
 
 next-use loses to LRU on some synthetic presets (few experts, a pool of about one token's
 accesses: mixtral global 25%, gpt-oss-20b / olmoe global 12.5%; docs/policies.md, "Where
-it loses"). Issue 6 is judged on models not in ../shared/traces, so a default that
+it loses"). The default is judged on models not in ../shared/traces too, so a default that
 follows whichever rule is winning could be worth more than a tuned one. LeCaR (Vietri et
 al., HotStorage 2018) keeps a weight per rule: each eviction is made by the heavier rule
 and remembered (ghost) with who made it; a later miss on a ghost whose eviction only that

@@ -1,4 +1,4 @@
-"""How far can ANY history-based eviction ranking get? (issue 6, round three)
+"""How far can ANY history-based eviction ranking get? (default-policy research, round three)
 
 A full-scan numba replay: on every eviction the victim is the resident, unprotected key
 with the lowest score (ties: least recently used). The score is

@@ -49,6 +49,12 @@ def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EX
         return tf.Qwen2MoeConfig(**common, intermediate_size=768, moe_intermediate_size=EXPERT_FF,
                                  shared_expert_intermediate_size=256, num_experts=experts,
                                  decoder_sparse_step=1)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(**common, intermediate_size=EXPERT_FF, num_local_experts=experts, head_dim=64,
+                               sliding_window=16, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                               rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                "original_max_position_embeddings": 4096})
     raise ValueError(f"no GGUF fixture for {family!r}")
 
 
@@ -61,8 +67,10 @@ def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = 
                                                 dtype=torch.float32)
     with torch.no_grad():  # varied routing, so that tokens spread over the experts
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0, 2.0)
+            elif name.endswith(("_bias", "sinks")) or ".bias" in name:
+                p.normal_(0, 0.1)  # GPT-OSS biases and sinks start at zero: make them count
     return model.eval()
 
 
@@ -85,23 +93,24 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
     for hf_name, tensor in model.state_dict().items():
         if ".experts." in hf_name:
             continue
+        data = tensor.float().numpy()
+        if hf_name.endswith("self_attn.sinks"):  # gguf-py's name map leaves GPT-OSS's sinks out
+            writer.add_tensor(f"blk.{hf_name.split('.')[2]}.attn_sinks.weight", data)
+            continue
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = names.get_name(base)
         if gguf_name is None:
             raise KeyError(f"no GGUF name for {hf_name}")
-        data = tensor.float().numpy()
         if "shared_expert_gate" in base:
             data = data.reshape(-1)  # llama.cpp stores it as a vector
         writer.add_tensor(f"{gguf_name}.{suffix}", data)
     for layer in range(cfg.num_hidden_layers):
-        experts = model.model.layers[layer].mlp.experts
-        gate_up = experts.gate_up_proj.detach().float().numpy()  # [E, 2I, H]
-        inter = gate_up.shape[1] // 2
-        parts = {"gate": gate_up[:, :inter], "up": gate_up[:, inter:],
-                 "down": experts.down_proj.detach().float().numpy()}  # [E, H, I]
+        parts, biases = expert_parts(model.model.layers[layer].mlp.experts)
         for kind, data in parts.items():
             qtype = down_type if (kind == "down" and down_type) else expert_type
             _add_expert_tensor(writer, f"blk.{layer}.ffn_{kind}_exps.weight", data, qtype, rng)
+        for kind, data in biases.items():
+            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.bias", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -109,6 +118,25 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
     if split_max_tensors:
         return next(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
     return path
+
+
+def expert_parts(experts) -> tuple[dict, dict]:
+    """An HF experts module's weights as llama.cpp's GGUF tensors: [E, rows=out, cols=in] each.
+
+    Qwen: gate_up_proj [E, 2I, H] is gate rows then up rows. GPT-OSS: gate_up_proj [E, H, 2I]
+    is transposed, gate and up alternate along 2I, and biases come along.
+    """
+    gate_up = experts.gate_up_proj.detach().float().numpy()
+    down = experts.down_proj.detach().float().numpy()
+    if not getattr(experts, "is_transposed", False):
+        inter = gate_up.shape[1] // 2
+        return {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": down}, {}
+    gate_up = gate_up.transpose(0, 2, 1)  # [E, 2I, H]
+    bias = experts.gate_up_proj_bias.detach().float().numpy()
+    parts = {"gate": gate_up[:, 0::2], "up": gate_up[:, 1::2], "down": down.transpose(0, 2, 1)}
+    biases = {"gate": bias[:, 0::2], "up": bias[:, 1::2],
+              "down": experts.down_proj_bias.detach().float().numpy()}
+    return parts, biases
 
 
 def _arch_enum(arch: str):
@@ -122,15 +150,20 @@ def _metadata(writer, cfg, arch: str, tokenizer: bool) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
-                              else cfg.rope_theta)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     if hasattr(cfg, "head_dim"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if arch == "gpt-oss":
+        rope = cfg.rope_parameters
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if tokenizer:

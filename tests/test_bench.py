@@ -13,9 +13,9 @@ import torch
 
 from expertcache.bench.live import Inputs, build_cache, run_strategy
 from expertcache.bench.model import BenchShape, experts_module, host_experts
-from expertcache.bench.phases import bounds, ms_per_token
+from expertcache.decode_phases import bounds, ms_per_token, steady_blocks
 from expertcache.bench.report import document, predicted_ms, row, verdict
-from expertcache.bench.run import run_bench
+from expertcache.bench.run import run_strategies
 from expertcache.bench.strategies import Strategy, plan
 from expertcache.bench.workload import cut, load_workload
 from expertcache.cli import main
@@ -24,6 +24,7 @@ from expertcache.sim.costmodel import Hardware
 from expertcache.sim.replay import replay
 from expertcache.stats import DECODE
 from expertcache.trace.synth import synth_trace
+from png_check import pixels, width_of  # tests/ is on sys.path (not a package)
 
 LAYERS, TOKENS, SCALE = 3, 48, 0.03
 
@@ -37,8 +38,8 @@ def trace():
 @pytest.fixture(scope="module")
 def result(trace):
     strategies = plan(["lru", "fifo", "slru+second-hit"], [48, 96])  # admission: bypasses copy too
-    return run_bench(trace, preset("qwen3-30b-a3b"), strategies, scale=SCALE, dtype="fp32",
-                     device="cpu", hardware=None, threads=1)
+    return run_strategies(trace, preset("qwen3-30b-a3b"), strategies, scale=SCALE, dtype="fp32",
+                          device="cpu", hardware=None, threads=1)
 
 
 def runs_by(result, kind, slots=None, policy=None):
@@ -132,7 +133,7 @@ def test_phases_split_decode_tokens():
     assert ms_per_token([0.001] * 8)["steady"] is None
 
 
-def test_json_rows_follow_the_issue_schema(result):
+def test_json_rows_follow_the_documented_schema(result):
     doc = document(result, [row(r, result) for r in result.runs])
     for key in ("model", "layers", "top_k", "num_experts", "expert_bytes", "tokens", "device", "results"):
         assert key in doc
@@ -150,6 +151,37 @@ def test_json_rows_follow_the_issue_schema(result):
     assert cep["h2d_bytes_per_token"] == LAYERS * 8 * doc["expert_bytes"]
     json.dumps(doc)  # serialisable as is
     assert "Fastest in steady state" in verdict(doc["results"])
+
+
+def test_steady_blocks_split_the_steady_phase():
+    # 100 tokens: steady is 25..99 (75 tokens) -> blocks of 19, 19, 18, 19 tokens
+    seconds = [1.0] * 25 + [0.001] * 19 + [0.002] * 19 + [0.003] * 18 + [0.004] * 19
+    assert steady_blocks(seconds) == pytest.approx([1.0, 2.0, 3.0, 4.0])
+    assert steady_blocks([0.001] * 17) == pytest.approx([1.0])  # one steady token: one block
+    assert steady_blocks([0.001] * 8) == []                     # no steady phase
+
+
+def _row(strategy, tok_s, blocks, policy=None, slots=0):
+    return {"strategy": strategy, "policy": policy, "slots": slots, "tok_s": tok_s,
+            "steady_tok_s_blocks": blocks, "steady_hit_rate": 0.8, "slot_bytes": 2**20}
+
+
+def test_verdict_calls_a_winner_only_beyond_the_spread():
+    clear = [_row("resident", 26.4, [26.0, 26.8]), _row("copy-every-pass", 13.2, [13.0, 13.4]),
+             _row("cpu", 20.0, [19.5, 20.5])]
+    text = verdict(clear)
+    assert text.startswith("Fastest in steady state: resident at 26.4 tok/s")
+    assert "2.00x the speed of copy-every-pass" in text and "1.32x the speed of cpu" in text
+    # resident and cpu overlap: a tie, named in table order whichever mean is higher
+    for cpu in (26.5, 26.3):
+        text = verdict([clear[0], clear[1], _row("cpu", cpu, [25.9, 26.9])])
+        assert text.startswith("Fastest in steady state, tied within the spread of their timing "
+                               f"blocks: resident 26.4, cpu {cpu:.1f} tok/s"), text
+        assert "the speed of cpu" not in text and "the speed of copy-every-pass" in text
+    cache = _row("cache", 14.0, [12.9, 15.1], "lru", 64)
+    text = verdict(clear + [cache])
+    assert "ran 1.06x copy-every-pass (within the spread: no measured difference)." in text
+    assert "blocks differed by up to 16% of its tok/s" in text  # the cache's (15.1 - 12.9) / 14
 
 
 def test_cost_model_prediction_per_strategy(result):
@@ -189,7 +221,9 @@ def test_cli_bench_writes_json_and_plot(tmp_path, capsys):
     assert kinds == [("resident", 128), ("copy-every-pass", 0), ("cpu", 0), ("cache", 32),
                      ("cache", 64), ("belady", 32), ("belady", 64)]
     assert all(r["predicted_ms_per_token"] > 0 for r in doc["results"])  # calibrated here
-    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    rgb = pixels(png, (840, 540))  # figsize 7 x 4.5 inches at 120 dpi
+    for colour in ("tab:green", "tab:red", "tab:gray", "tab:blue"):  # 3 baselines, the lru line
+        assert width_of(rgb, colour) > 0.15, f"no line across the plot in {colour}"
     text = capsys.readouterr().out
     assert "Fastest in steady state" in text and "checks: H2D bytes add up" in text
     assert doc["checks"]["ok"] and doc["checks"]["sim"] == []

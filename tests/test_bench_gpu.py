@@ -15,7 +15,7 @@ pytestmark = [
                        reason="needs a CUDA device: run benchmarks/gpu_check.sh on a GPU machine"),
 ]
 
-from expertcache.bench.run import run_bench  # noqa: E402
+from expertcache.bench.run import run_strategies  # noqa: E402
 from expertcache.bench.strategies import plan  # noqa: E402
 from expertcache.bench.workload import cut  # noqa: E402
 from expertcache.presets import preset  # noqa: E402
@@ -26,8 +26,8 @@ from expertcache.trace.synth import synth_trace  # noqa: E402
 
 def test_bench_on_cuda_counts_and_outputs():
     trace = cut(synth_trace("qwen3-30b-a3b", 48, seed=3, prompt=8), 3, None)
-    result = run_bench(trace, preset("qwen3-30b-a3b"), plan(["lru"], [48, 96]), scale=0.05,
-                       dtype="fp32", device="cuda", hardware="calibrate")
+    result = run_strategies(trace, preset("qwen3-30b-a3b"), plan(["lru"], [48, 96]), scale=0.05,
+                            dtype="fp32", device="cuda", hardware="calibrate")
     assert result.device.type == "cuda" and result.clock == "wall"
     nbytes, L, k = result.shape.expert_bytes, trace.num_layers, trace.top_k
     ref = next(r for r in result.runs if r.strategy.kind == "resident")

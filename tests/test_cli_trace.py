@@ -9,7 +9,7 @@ import pytest
 
 from conftest import shared_trace  # tests/ is on sys.path (not a package)
 from expertcache.cli import main
-from expertcache.trace import load_trace
+from expertcache.trace import Trace, load_trace
 
 
 def test_synth_then_info(tmp_path, capsys):
@@ -96,14 +96,21 @@ def test_bad_file_for_info(tmp_path, capsys):
 
 
 def test_record_parser_and_lazy_runtime(tmp_path, monkeypatch, capsys):
-    # the parser is ours; the work is trace.record.run_record's, imported only when called
-    import expertcache.trace.record as record
+    # the parser is ours; the work is integrations.record.record_trace's, imported only when called
+    import expertcache.integrations.record as record
     seen = {}
-    monkeypatch.setattr(record, "run_record", lambda args: seen.update(vars(args)) or 0)
+
+    def fake(model, prompt, output, max_new_tokens, **kwargs):
+        seen.update(model=model, prompt=prompt, output=output, max_new_tokens=max_new_tokens, **kwargs)
+        meta = {"num_experts": 2, "top_k": 1, "n_moe_layers": 1}
+        return Trace(np.zeros((1, 2, 1), np.int16), meta, phase=np.array([0, 1], np.uint8))
+
+    monkeypatch.setattr(record, "record_trace", fake)
+    monkeypatch.chdir(tmp_path)
     assert main(["trace", "record", "some/model", "--prompt", "hi", "--max-new-tokens", "3",
                  "--device", "cpu", "-o", "t.npz"]) == 0
-    assert (seen["model"], seen["prompt"], seen["prompt_file"], seen["max_new_tokens"],
-            seen["device"], seen["output"]) == ("some/model", "hi", None, 3, "cpu", "t.npz")
+    assert seen == {"model": "some/model", "prompt": "hi", "output": "t.npz", "max_new_tokens": 3,
+                    "device": "cpu", "router_logits": False}
     with pytest.raises(SystemExit):  # --prompt and --prompt-file exclude each other
         main(["trace", "record", "m", "--prompt", "a", "--prompt-file", "f", "-o", "t.npz"])
     with pytest.raises(SystemExit):  # one of them is required
@@ -113,3 +120,19 @@ def test_record_parser_and_lazy_runtime(tmp_path, monkeypatch, capsys):
 def test_trace_without_action_prints_help(capsys):
     assert main(["trace"]) == 2
     assert "import" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["trace", "synth", "--preset", "olmoe", "--tokens", "10", "-o", "{missing}/t.npz"],
+    ["trace", "info", "{trace}", "--json", "{missing}/info.json"],
+    ["trace", "import", "--format", "jsonl", "{trace}", "{missing}/t.npz"],
+    ["trace", "record", "no-such-model", "--prompt", "hi", "-o", "{missing}/t.npz"],
+], ids=["synth", "info", "import", "record"])
+def test_an_output_into_a_missing_folder_fails_before_any_work(argv, tmp_path, capsys):
+    """One rule for every subcommand: the folder must exist, nothing creates it, and the
+    error comes first (record would load a model; import would read the input)."""
+    names = {"missing": str(tmp_path / "nope"), "trace": str(tmp_path / "absent.npz")}
+    assert main([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert f"folder {tmp_path / 'nope'} does not exist" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "nope").exists()

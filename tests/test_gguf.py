@@ -60,6 +60,8 @@ def test_gguf_equals_transformers(gguf_file, slot_format, miss, partition):
     assert stats.total().misses > 0 and stats.total().hits > 0  # the cache was exercised, not bypassed
     summary = model.expertcache.summary()
     assert summary["slot_format"] == slot_format and summary["host_memory"] == "mmap"
+    assert stats.pool["host_memory"] == "mmap" and "no CUDA" in stats.pool["host_memory_reason"]
+    assert stats.to_dict()["pool"]["bytes_per_load"] == model.expertcache.expert_bytes
 
 
 def test_quantized_bytes_cross_and_fill_slots(tmp_path):
@@ -139,6 +141,75 @@ def test_qwen2moe_with_shared_expert(tmp_path):
     model = expertcache.offload(path, slots=6)
     with torch.no_grad():
         assert (model(PROMPT).logits - ref(PROMPT).logits).abs().max().item() <= 1e-4
+
+
+def test_imatrix_of_the_gguf_pins_its_hot_experts(tmp_path):
+    """The imatrix belongs to the GGUF the user downloaded: --imatrix works with it."""
+    from test_imatrix_reader import write_imatrix
+
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0")
+    counts = np.array([[90, 1, 1, 1, 1, 1, 1, 80], [1, 70, 1, 1, 1, 1, 60, 1]], dtype=np.int64)
+    imatrix = write_imatrix(tmp_path / "imatrix.gguf", counts)
+    model = expertcache.offload(path, slots=8, imatrix=imatrix, imatrix_mode="pin")
+    table = model.expertcache.table
+    assert {0, 7, 8 + 1, 8 + 6} <= set(table.pinned)  # the hottest two per layer, as int keys
+    with torch.no_grad():
+        model.generate(PROMPT, max_new_tokens=4, do_sample=False)
+    assert {0, 7, 9, 14} <= set(table.pinned)  # still resident after decoding
+    with pytest.raises(ValueError, match="8 experts"):
+        expertcache.offload(path, slots=8, imatrix=write_imatrix(tmp_path / "other.gguf"))
+
+
+# -- GPT-OSS (MXFP4 experts with biases, gate/up interleaved) -----------------------------
+def gpt_oss_reference(path):
+    """The HF model the file was written from, its experts replaced by gguf-py's dequantization.
+
+    transformers 5.24 cannot read a gpt-oss GGUF itself (pinned below), so the reference is
+    independent of our code: gguf-py's numpy dequantizer and HF's own layout.
+    """
+    from gguf_models import tiny_model
+
+    ref = tiny_model("gpt_oss")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    def weights(name):
+        t = tensors[name]
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+    with torch.no_grad():
+        for layer, block in enumerate(ref.model.layers):
+            experts = block.mlp.experts
+            gate, up, down = (weights(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
+            gate_up = torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2])  # [E, 2I, H]
+            experts.gate_up_proj.copy_(gate_up.transpose(1, 2))   # HF: [E, H, 2I]
+            experts.down_proj.copy_(down.transpose(1, 2))         # HF: [E, I, H]
+    return ref.eval()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_file(tmp_path_factory):
+    path = write_gguf(tmp_path_factory.mktemp("gptoss") / "gpt-oss.gguf", "gpt_oss", "MXFP4")
+    ref = gpt_oss_reference(path)
+    with torch.no_grad():
+        return path, ref(PROMPT).logits, ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
+
+
+@pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
+@pytest.mark.parametrize("miss,partition", [("fetch", "global"), ("cpu", "per-layer")])
+def test_gpt_oss_gguf(gpt_oss_file, slot_format, miss, partition):
+    path, logits, tokens = gpt_oss_file
+    model = expertcache.offload(path, slots=6, slot_format=slot_format, miss=miss, partition=partition)
+    with torch.no_grad():
+        assert (model(PROMPT).logits - logits).abs().max().item() <= 1e-4
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=10, do_sample=False), tokens)
+    assert model.expertcache.summary()["quant"] == ["F32", "MXFP4"]  # biases stay F32
+
+
+def test_transformers_still_cannot_read_gpt_oss_gguf(gpt_oss_file):
+    """Pins why the loader maps gpt-oss metadata itself: drop that code when this starts failing."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with pytest.raises(TypeError):
+        load_gguf_checkpoint(str(gpt_oss_file[0]), return_tensors=False)
 
 
 # -- bad input: one clear line, nothing half-loaded ---------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import numpy as np
@@ -11,12 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from live_oracle import replay_live  # noqa: E402
 from tiny_moe import FAMILIES, save_checkpoint, tiny_model  # noqa: E402
 
 from expertcache import SlotTable  # noqa: E402
+from expertcache.cli import main  # noqa: E402
+from expertcache.integrations.record import record, record_trace  # noqa: E402
 from expertcache.integrations.transformers import offload  # noqa: E402
 from expertcache.trace.format import load_trace, save_trace  # noqa: E402
-from expertcache.trace.record import record, replay_live, run_record  # noqa: E402
 
 NEW = 7
 
@@ -111,20 +112,30 @@ def test_record_rejects_bad_input(plain, ids):
         record(plain, ids, 0)
 
 
-def test_run_record_cli_path(plain, tmp_path):
+def test_record_trace_and_its_cli(plain, tmp_path, capsys):
     save_checkpoint(plain, tmp_path / "ckpt")
     out = tmp_path / "trace.npz"
-    args = argparse.Namespace(model=str(tmp_path / "ckpt"), prompt="w1 w5 w9 w3 w7", prompt_file=None,
-                              max_new_tokens=4, output=str(out), device=None)
-    assert run_record(args) == 0
-    trace = load_trace(out)
+    trace = record_trace(tmp_path / "ckpt", "w1 w5 w9 w3 w7", out, 4)
     assert trace.experts.shape == (2, 5 + 3, 2) and trace.phases.tolist() == [0] * 5 + [1] * 3
-    assert trace.logits is None
-    args.router_logits = True  # --router-logits
-    assert run_record(args) == 0 and load_trace(out).logits.shape == (2, 5 + 3, 8)
-    args.prompt_file = str(tmp_path / "p.txt")
-    with pytest.raises(ValueError, match="exactly one"):
-        run_record(args)
-    args.prompt = None
-    with pytest.raises(FileNotFoundError, match="prompt file"):
-        run_record(args)
+    assert trace.logits is None and np.array_equal(load_trace(out).experts, trace.experts)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("w1 w5 w9 w3 w7")
+    argv = ["trace", "record", str(tmp_path / "ckpt"), "--prompt-file", str(prompt),
+            "--max-new-tokens", "4", "--router-logits", "-o", str(out)]
+    assert main(argv) == 0 and load_trace(out).logits.shape == (2, 5 + 3, 8)
+    assert f"wrote {out}: 2 MoE layers x 8 tokens (5 prompt)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="prompt is empty"):
+        record_trace(tmp_path / "ckpt", "  ", out, 4)
+    argv[4] = str(tmp_path / "missing.txt")
+    assert main(argv) == 2 and "prompt file not found" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_tokenizer_files_says_so(plain, tmp_path, capsys):
+    """transformers would build an empty tokenizer from config.json; the prompt then encodes
+    to no tokens and recording failed with 'cannot reshape tensor of 0 elements'."""
+    plain.save_pretrained(tmp_path / "ckpt")  # weights only, no tokenizer
+    code = main(["trace", "record", str(tmp_path / "ckpt"), "--prompt", "w1 w2", "-o",
+                 str(tmp_path / "t.npz")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no tokenizer in the checkpoint directory" in err, err
+    assert not (tmp_path / "t.npz").exists()

@@ -1,6 +1,6 @@
 """Replaying recorded traces in the runtime's step order (meta ``prefill_steps: batched``):
 the prompt is ONE step per layer (the union of its tokens' experts). The simulator's
-table path equals ``trace.record.replay_live`` (the order the live run planned), every
+table path equals ``live_oracle.replay_live`` (the order the live run planned), every
 numba kernel equals the table path on such traces, including caches smaller than the
 prompt's step (bypasses), and ``expertcache sim`` on a recorded tiny model reproduces the
 live run's hits and misses."""
@@ -13,10 +13,11 @@ import json
 import numpy as np
 import pytest
 
+from live_oracle import live_steps, replay_live  # tests/ is on sys.path (not a package)
+
 from expertcache import SlotTable
 from expertcache.sim.replay import Prepared, lru_all_sizes, replay
 from expertcache.trace import Trace
-from expertcache.trace.record import live_steps, replay_live
 from expertcache.trace.steps import step_rows
 
 KERNELS = ["lru", "fifo", "belady", "slru", "arc", "lfu", "s3fifo", "lru+second-hit",
@@ -134,7 +135,7 @@ def test_sim_cli_reproduces_a_recorded_live_run(tmp_path):
     from expertcache.cli import main
     from expertcache.integrations.transformers import offload
     from expertcache.trace.format import save_trace
-    from expertcache.trace.record import record
+    from expertcache.integrations.record import record
 
     plain = tiny_model("qwen3_moe", layers=3, experts=16, top_k=2)
     ids = torch.randint(2, 96, (1, 9), generator=torch.Generator().manual_seed(3))

@@ -207,3 +207,21 @@ def test_bad_phase_value(tmp_path):
 def test_trace_constructor_validates():
     with pytest.raises(TraceError, match="n_moe_layers=5"):
         Trace(experts(), dict(META, n_moe_layers=5))
+
+
+def test_every_trace_module_imports_without_torch():
+    """trace/ is plain data: with torch made unimportable, all of it still loads (the
+    recorder, which needs torch, lives in integrations/)."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import expertcache.trace as pkg
+
+    names = [f"expertcache.trace.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]
+    assert "expertcache.trace.synth" in names and "expertcache.trace.format" in names
+    code = ("import sys; sys.modules['torch'] = None; import importlib; "
+            f"[importlib.import_module(n) for n in {names!r}]; "
+            "from expertcache.trace import synth_trace; synth_trace('olmoe', 20); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import SlotTable
+from ..decode_phases import steady_start
 from ..runtime import experts as experts_mod
 from ..runtime.engine import ExpertCache
 from ..stats import DECODE, Counts
 from ..trace.format import Trace
-from .phases import steady_start
 from .strategies import OPTIMUM, Strategy
 
 PARTS = ("plan", "copy", "compute")

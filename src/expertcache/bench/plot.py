@@ -42,7 +42,12 @@ def plot_tok_s(rows: list[dict], path: str | Path, *, title: str = "") -> Path:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def title(doc: dict) -> str:
+    """The plot's title from a bench document: model, size, tokens, device and CPU."""
+    return (f"{doc['model']} x{doc['scale']:g}, {doc['layers']} layers, {doc['tokens']} tokens, "
+            f"{doc['device']} ({doc['machine']['cpu'][:40]})")

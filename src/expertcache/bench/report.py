@@ -1,4 +1,4 @@
-"""Bench results as JSON rows (issue 7 schema), cost-model predictions, machine description.
+"""Bench results as JSON rows (fields in docs/bench.md), cost-model predictions, machine description.
 
 Per-token figures count decode tokens only. ``h2d_bytes_per_token`` is expert bytes
 copied into slots per decode token; ``slot_bytes`` the memory the pool holds.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import platform
 
+from ..decode_phases import ms_per_token, steady_blocks
 from ..sim.costmodel import ExpertCost, Hardware, token_time
-from .phases import ms_per_token
 from .strategies import OPTIMUM
 
 
@@ -42,7 +42,8 @@ def predicted_ms(run, shape, hw: Hardware | None, staging: Hardware | None = Non
 
 
 def row(run, result) -> dict:
-    """One ``results`` entry: the issue's fields plus tok/s, prediction and time breakdown."""
+    """One ``results`` entry: counts, bytes, ms per phase, tok/s with its timing blocks, the
+    prediction and the time breakdown (docs/bench.md, "Output")."""
     s, shape = run.strategy, result.shape
     n = len(run.seconds)
     ms = ms_per_token(run.seconds) if n else {"cold": None, "warm": None, "steady": None}
@@ -54,6 +55,7 @@ def row(run, result) -> dict:
            "h2d_bytes_per_token": run.h2d_decode / n if n else None,
            "slot_bytes": run.slot_bytes, "ms_per_token": ms,
            "tok_s": 1e3 / ms["steady"] if ms["steady"] else None,
+           "steady_tok_s_blocks": [1e3 / b for b in steady_blocks(run.seconds) if b > 0],
            "wall_ms_per_token": ms_per_token(run.wall) if run.wall else None,
            "steady_hit_rate": run.steady.hit_rate if run.steady.accesses else None,
            "predicted_ms_per_token": pred,
@@ -136,24 +138,36 @@ def _cpu_model() -> str:
 
 
 def verdict(rows: list[dict]) -> str:
-    """Plain words: which strategy was fastest in steady state, by how much, at which size."""
+    """Plain words: which strategy was fastest in steady state, by how much, at which size.
+
+    A difference counts only when it clears the spread of the steady phase's timing
+    blocks (``steady_tok_s_blocks``): strategies within it are named together as tied,
+    in table order, so a rerun on a noisy machine says the same thing."""
     ran = [r for r in rows if r.get("tok_s")]
     if not ran:
         return "No strategy ran to a steady phase: give more --tokens (at least 64)."
     causal = [r for r in ran if r["policy"] != OPTIMUM]
     best = max(causal, key=lambda r: r["tok_s"])
+    tied = [r for r in causal if r is best or not faster(best, r)]
     base = {r["strategy"]: r for r in ran if r["strategy"] in ("copy-every-pass", "cpu")}
-    words = [f"Fastest in steady state: {_name(best)} at {best['tok_s']:.1f} tok/s (MoE part)"
-             + (" - the upper bound, every expert in the pool." if best["strategy"] == "resident" else ".")]
+    if len(tied) == 1:
+        words = [f"Fastest in steady state: {_name(best)} at {best['tok_s']:.1f} tok/s (MoE part)"
+                 + (" - the upper bound, every expert in the pool." if best["strategy"] == "resident" else ".")]
+    else:
+        words = ["Fastest in steady state, tied within the spread of their timing blocks: "
+                 + ", ".join(f"{_name(r)} {r['tok_s']:.1f}" for r in tied) + " tok/s (MoE part)."]
     for name, r in base.items():
-        if r is not best:
+        if r not in tied:
             words.append(f"{best['tok_s'] / r['tok_s']:.2f}x the speed of {name} ({r['tok_s']:.1f} tok/s).")
     caches = [r for r in causal if r["strategy"] == "cache"]
     if caches:
         bc = max(caches, key=lambda r: r["tok_s"])
         ref = base.get("copy-every-pass")
-        words.append(f"The best cache, {_name(bc)}, hit {bc['steady_hit_rate']:.0%} in steady state"
-                     + (f" and ran {bc['tok_s'] / ref['tok_s']:.2f}x copy-every-pass." if ref else "."))
+        text = f"The best cache, {_name(bc)}, hit {bc['steady_hit_rate']:.0%} in steady state"
+        if ref:
+            text += f" and ran {bc['tok_s'] / ref['tok_s']:.2f}x copy-every-pass"
+            text += "" if faster(bc, ref) else " (within the spread: no measured difference)"
+        words.append(text + ".")
         small = _smallest_good(caches, ref)
         if small:
             words.append(f"Smallest pool that beats copy-every-pass by 1.5x: {small['slots']} slots "
@@ -162,7 +176,27 @@ def verdict(rows: list[dict]) -> str:
     if opt and caches:
         o = max(opt, key=lambda r: r["tok_s"])
         words.append(f"Belady (the offline optimum) at {o['slots']} slots: {o['tok_s']:.1f} tok/s.")
+    words.append(_spread_note(ran))
     return " ".join(words)
+
+
+def faster(a: dict, b: dict) -> bool:
+    """``a`` beat ``b`` in every timing block: ``a``'s slowest block is faster than ``b``'s
+    fastest. Rows without blocks (older files) compare their means."""
+    lo, hi = a.get("steady_tok_s_blocks"), b.get("steady_tok_s_blocks")
+    if lo and hi:
+        return min(lo) > max(hi)
+    return a["tok_s"] > b["tok_s"]
+
+
+def _spread_note(rows: list[dict]) -> str:
+    """How much a strategy's steady tok/s moved between its timing blocks, at most."""
+    spreads = [(max(b) - min(b)) / r["tok_s"] for r in rows if (b := r.get("steady_tok_s_blocks"))]
+    if not spreads:
+        return ""
+    n = max(len(r.get("steady_tok_s_blocks") or []) for r in rows)
+    return (f"(Steady phase timed in {n} blocks; a strategy's blocks differed by up to "
+            f"{max(spreads):.0%} of its tok/s: smaller differences are not called.)")
 
 
 def _smallest_good(caches: list[dict], ref: dict | None) -> dict | None:

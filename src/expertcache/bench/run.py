@@ -1,4 +1,4 @@
-"""``run_bench``: every strategy on one workload, on one device, plus the cost model's view.
+"""``run_strategies``: every strategy on one workload, on one device, plus the cost model's view.
 
 The host experts are built once and shared; each strategy gets its own runtime cache
 (slot pool), runs every token of the trace and is freed before the next, so peak
@@ -47,11 +47,11 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def run_bench(trace: Trace, model: ModelShape, strategies: list[Strategy], *, scale: float = 1.0,
-              dtype: str = "bf16", device: str = "auto", partition: str = "global",
-              hardware: Hardware | str | None = "calibrate", seed: int = 0,
-              threads: int | None = None, clock: str = "auto",
-              progress: Callable[[str], None] = lambda _msg: None) -> BenchResult:
+def run_strategies(trace: Trace, model: ModelShape, strategies: list[Strategy], *, scale: float = 1.0,
+                   dtype: str = "bf16", device: str = "auto", partition: str = "global",
+                   hardware: Hardware | str | None = "calibrate", seed: int = 0,
+                   threads: int | None = None, clock: str = "auto",
+                   progress: Callable[[str], None] = lambda _msg: None) -> BenchResult:
     """Run ``strategies`` on ``trace`` with ``model``'s expert dims times ``scale``.
 
     ``threads`` sets torch's CPU threads for the run only (restored afterwards)."""

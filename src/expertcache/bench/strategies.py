@@ -1,6 +1,6 @@
 """What the benchmark runs side by side: baselines and the cache, as configurations.
 
-DESIGN.md: baselines are configurations, not separate code. ``resident``,
+Baselines are configurations, not separate code (docs/architecture.md). ``resident``,
 ``copy-every-pass`` and ``cpu`` are ``CacheConfig`` baselines the runtime already
 knows; a cache strategy is one (policy, slots) pair; ``belady`` is the cache with
 the offline optimum, which only a replayed trace makes possible. Torch-free.

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "probe", "trace", "generate", "bench", "demo")
+COMMANDS = ("policies", "imatrix", "sim", "plan", "probe", "trace", "generate", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`expertcache trace info X | head`): what it wanted was printed.
+        # Python's documented way: point stdout at devnull so the exit flush stays quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"expertcache {args.command}: error: {err}", file=sys.stderr)
         return 2

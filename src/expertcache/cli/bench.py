@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from .paths import check_output
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="decode benchmark: baselines vs the cache on real expert weights",
@@ -49,74 +51,37 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    doc = bench_from_args(args)
+    check_output(args.json, "--json")
+    check_output(args.plot, "--plot")
+    from ..bench.api import FRACTIONS, run_bench
     from ..bench.checks import summary
+    from ..bench.plot import plot_tok_s, title
     from ..bench.report import verdict
     from ..bench.table import print_table
+
+    doc = run_bench(trace=args.trace, preset=args.preset, tokens=args.tokens, layers=args.layers,
+                    scale=args.scale, dtype=args.dtype,
+                    policies=_list(args.policy, str, "--policy") if args.policy else None,
+                    slots=_list(args.slots, int, "--slots") if args.slots else None,
+                    fractions=_list(args.fraction, float, "--fraction") if args.fraction else FRACTIONS,
+                    partition=args.partition, baselines=_baselines(args.baselines),
+                    belady=not args.no_belady, device=args.device,
+                    hardware=None if args.hardware == "none" else args.hardware, threads=args.threads,
+                    clock=args.clock, seed=args.seed, progress=lambda m: print(m, file=sys.stderr))
     print_table(doc)
     print(summary(doc["checks"]))
     print(verdict(doc["results"]))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        from ..bench.plot import plot_tok_s
-        plot_tok_s(doc["results"], args.plot, title=_title(doc))
+        plot_tok_s(doc["results"], args.plot, title=title(doc))
         print(f"wrote {args.plot}")
     return 0 if doc["checks"]["ok"] else 1  # a bench whose figures do not add up must not pass
 
 
-def bench_from_args(args) -> dict:
-    """Parse, run every strategy, and return the JSON document (shared with ``demo``)."""
-    from ..bench import strategies as st
-    from ..bench.workload import load_workload
-    from ..sim.replay import slots_for_fraction
-
-    trace, model = load_workload(args.trace, args.preset, args.tokens, args.layers, args.seed)
-    policies = _list(args.policy or st.default_policy(), str, "--policy")
-    if args.slots:
-        slots = _list(args.slots, int, "--slots")
-    else:
-        slots = [slots_for_fraction(trace, f) for f in _list(args.fraction or "0.125,0.25,0.5", float,
-                                                              "--fraction")]
-    strategies = st.plan(policies, sorted(set(slots)), baselines=_baselines(args.baselines),
-                         optimum=not args.no_belady)
-    for s in strategies:  # bad sizes (below top-k, ...) fail before any weight is built
-        if s.slots is not None:
-            from ..sim.replay import check_table, resolve_policy
-            check_table(trace, resolve_policy(s.sim_policy), s.slots, args.partition)
-    return run_and_document(trace, model, strategies, args)
-
-
-def run_and_document(trace, model, strategies, args) -> dict:
-    from ..bench.report import document, row
-    from ..bench.run import run_bench
-
-    hardware = None if args.hardware == "none" else args.hardware
-    result = run_bench(trace, model, strategies, scale=args.scale, dtype=args.dtype,
-                       device=args.device, partition=args.partition, hardware=hardware,
-                       seed=args.seed, threads=args.threads, clock=args.clock,
-                       progress=lambda m: print(m, file=sys.stderr))
-    from ..bench.checks import run_checks
-    doc = document(result, [row(r, result) for r in result.runs])
-    doc["scale"] = args.scale
-    doc["checks"] = run_checks(result)
-    return doc
-
-
 def _baselines(text: str) -> list[str]:
-    from ..bench.strategies import BASELINES
-    names = [] if text.strip() == "none" else _list(text, str, "--baselines")
-    bad = [n for n in names if n not in BASELINES]
-    if bad:
-        raise ValueError(f"unknown baseline(s) {', '.join(bad)}; use {', '.join(BASELINES)} or 'none'")
-    return names
-
-
-def _title(doc: dict) -> str:
-    return (f"{doc['model']} x{doc['scale']:g}, {doc['layers']} layers, {doc['tokens']} tokens, "
-            f"{doc['device']} ({doc['machine']['cpu'][:40]})")
+    return [] if text.strip() == "none" else _list(text, str, "--baselines")
 
 
 def _list(text: str, kind, flag: str) -> list:

@@ -12,15 +12,16 @@ with a plain-language verdict.
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+from .paths import check_output_dir
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="simulator table + live benchmark on the built-in trace, with plots",
                        description=__doc__)
-    p.add_argument("--out", default="demo-out", help="folder for plots and JSON (default ./demo-out)")
+    p.add_argument("--out", default="demo-out",
+                   help="folder for plots and JSON (default ./demo-out; created, its parent must exist)")
     p.add_argument("--tokens", type=int, default=160,
                    help="tokens the live benchmark replays (default 160, 64 of them prompt)")
     p.add_argument("--layers", type=int, default=4,
@@ -36,32 +37,27 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    check_output_dir(args.out, "--out")
     from rich.console import Console
 
     from ..bench.checks import summary
-    from ..bench.demo import bench_args, sim_part, sim_summary
-    from ..bench.plot import plot_tok_s
-    from ..bench.report import verdict
+    from ..bench.demo import FILES, SIM_HARDWARE, run_demo
     from ..bench.table import print_table
-    from ..trace.synth import default_trace
-    from .bench import _title, bench_from_args
+    from .sim import _print_table as print_sim_table
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     console = Console(width=max(Console().width, 130))
-    trace = default_trace()
+
+    def show_sim(trace, rows) -> None:
+        print_sim_table(trace, rows, SIM_HARDWARE, True)
+        console.rule(f"2. Live benchmark: first {args.layers} MoE layers, real expert weights, {args.dtype}")
+
     console.rule("1. Simulator: hit rate of each policy on the built-in trace (all 48 layers)")
-    table = sim_part(trace, out)
-    console.rule(f"2. Live benchmark: first {args.layers} MoE layers, real expert weights, {args.dtype}")
-    doc = bench_from_args(bench_args(args.tokens, args.layers, args.scale, args.dtype, args.device,
-                                     args.threads))
-    print_table(doc, console)
-    print(summary(doc["checks"]))
-    (out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
-    plot_tok_s(doc["results"], out / "bench_tok_s.png", title=_title(doc))
+    demo = run_demo(args.out, tokens=args.tokens, layers=args.layers, scale=args.scale, dtype=args.dtype,
+                    device=args.device, threads=args.threads, on_sim=show_sim,
+                    progress=lambda m: print(m, file=sys.stderr))
+    print_table(demo.bench, console)
+    print(summary(demo.bench["checks"]))
     console.rule("Verdict")
-    print(sim_summary(table))
-    print(verdict(doc["results"]))
-    print(f"Plots and JSON in {out}/: sim_hit_rate.png, bench_tok_s.png, sim.json, bench.json",
-          file=sys.stdout)
-    return 0 if doc["checks"]["ok"] else 1
+    print(demo.verdict)
+    print(f"Plots and JSON in {args.out}/: {', '.join(FILES)}")
+    return 0 if demo.bench["checks"]["ok"] else 1

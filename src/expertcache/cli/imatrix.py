@@ -6,11 +6,14 @@ import json
 import sys
 from pathlib import Path
 
+from .paths import check_output
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("imatrix", help="what an imatrix (or trace, popularity JSON, .npy) says about "
                                        "each layer's experts, and which to place on the GPU",
-                       description="Per-layer coverage (hottest share, experts for 50%%/90%% of routed "
+                       # argparse %-formats help strings but prints a description as written
+                       description="Per-layer coverage (hottest share, experts for 50%/90% of routed "
                                    "tokens, hot list) and a placement plan: the (layer, expert) pairs "
                                    "to pin for a slot budget, shared across layers by concentration.")
     p.add_argument("file", help="imatrix .gguf (legacy .dat is explained), trace .npz, popularity .json or .npy")
@@ -31,6 +34,8 @@ def run(args) -> int:
 
     if args.hot < 0:
         raise ValueError(f"--hot must be >= 0, got {args.hot}")
+    check_output(args.json, "--json")
+    check_output(args.plot, "--plot")
     counts = load_counts(Path(args.file), args.kind)
     report = build_report(counts, plan_slots(counts, args.slots, args.fraction), args.top_k, args.hot)
     if args.json == "-":

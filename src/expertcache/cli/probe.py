@@ -5,10 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+from .paths import check_output
+
+DESCRIPTION = ("Measure this machine for the cost model: CPU matmul rate and host memory "
+               "bandwidth (numpy), and with CUDA the pinned host-to-device and device memory "
+               "bandwidth (torch). What cannot be measured here comes from the --base preset. "
+               "Prints the profile as JSON; 'sim --hardware FILE' and 'bench --hardware FILE' read it.")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("probe", help="measure CPU matmul rate, memory and PCIe bandwidth "
-                                     "into a profile for 'sim --hardware FILE'")
+                                     "into a profile for 'sim --hardware FILE'",
+                       description=DESCRIPTION)
     p.add_argument("-o", "--output", metavar="FILE", help="write the profile JSON here")
     p.add_argument("--base", default="pcie4-consumer",
                    help="preset supplying what cannot be measured (GPU figures without CUDA)")
@@ -21,6 +29,7 @@ def run(args) -> int:
 
     if args.seconds <= 0:
         raise ValueError(f"--seconds must be positive, got {args.seconds}")
+    check_output(args.output, "-o")
     hw, report = probe(args.base, args.seconds)
     print(json.dumps({**asdict(hw), **report}, indent=2))
     if args.output:

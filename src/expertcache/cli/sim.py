@@ -37,7 +37,13 @@ def add_parser(sub) -> None:
                         "file from 'expertcache probe'")
     p.add_argument("--miss-path", default="auto", choices=("auto", "fetch", "cpu"))
     p.add_argument("--expert-bytes", type=int, help="bytes of one expert (else trace meta or --model)")
-    p.add_argument("--model", help="model preset for expert size and FLOPs (see presets)")
+    p.add_argument("--model", help="expert size and FLOPs from a model preset (see presets) or a GGUF "
+                   "file (header only, nothing loaded)")
+    p.add_argument("--quant", metavar="TYPE", help="size a preset's experts in a ggml type, e.g. Q4_K, "
+                   "Q8_0, MXFP4 (with --model PRESET)")
+    p.add_argument("--slot-format", default="dequantized", choices=("quantized", "dequantized"),
+                   help="quantized experts: slots hold the stored bytes (dequantized per use) or the "
+                        "compute dtype (dequantized per load); changes the predicted tok/s")
     p.add_argument("--dense-bytes", type=int, default=0,
                    help="non-expert weight bytes read per token (attention, shared experts); default 0")
     p.add_argument("--workers", type=int, help="processes for SlotTable replays (default: all cores)")
@@ -64,7 +70,7 @@ def run(args) -> int:
     for spec in policies:
         resolve_policy(spec)  # unknown names fail before any replay
     hw = load_hardware(args.hardware)
-    cost = expert_cost(trace, args.expert_bytes, args.model, args.dense_bytes)
+    cost = expert_cost(trace, args.expert_bytes, args.model, args.dense_bytes, args.quant)
     if args.sweep is not None:
         slots = sweep_sizes(trace, args.partition, args.sweep)
     elif args.slots:
@@ -86,11 +92,11 @@ def run(args) -> int:
                if (r.policy, r.admission) == ("belady", "always") and not args.imatrix]
     extra = [] if optimum else sweep(prep, ["belady"], slots, args.partition, workers=1)
     opt = {r.slots: r.misses for r in optimum or extra}
-    table = rows(trace, results, opt, cost, hw, args.miss_path)
+    table = rows(trace, results, opt, cost, hw, args.miss_path, args.slot_format)
     _print_table(trace, table, hw.name, cost is not None)
     if args.json:
-        Path(args.json).write_text(json.dumps(document(trace, table, hw, args.miss_path, cost),
-                                              indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(document(trace, table, hw, args.miss_path, cost,
+                                                       args.slot_format), indent=2) + "\n")
     if args.plot:
         title = f"{trace.meta.get('model', 'trace')}: {trace.num_tokens} tokens, {args.partition}"
         plot_curves(results + extra, args.plot, title=title,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
+
+from .paths import check_output
 
 
 def add_parser(sub) -> None:
@@ -52,6 +55,7 @@ def add_parser(sub) -> None:
 
 
 def _import(args) -> int:
+    check_output(args.output, "OUT.npz")
     from ..trace import save_trace
     from ..trace.importers import import_trace
     options = {}
@@ -75,6 +79,7 @@ def _import(args) -> int:
 
 
 def _synth(args) -> int:
+    check_output(args.output, "-o")
     from ..trace import save_trace
     from ..trace.synth import synth_trace
     trace = synth_trace(args.preset, args.tokens, seed=args.seed, prompt=args.prompt)
@@ -85,6 +90,7 @@ def _synth(args) -> int:
 
 
 def _info(args) -> int:
+    check_output(args.json, "--json")
     from ..trace import load_trace
     from ..trace.locality import locality, top_share
     trace = load_trace(args.file)
@@ -114,12 +120,22 @@ def _info(args) -> int:
 
 
 def _record(args) -> int:
+    check_output(args.output, "-o")
+    prompt = args.prompt
+    if args.prompt_file is not None:
+        file = Path(args.prompt_file)
+        if not file.is_file():
+            raise FileNotFoundError(f"prompt file not found: {file}")
+        prompt = file.read_text()
     try:
-        from ..trace.record import run_record
+        from ..integrations.record import record_trace
     except ModuleNotFoundError as err:
         if err.name and err.name.startswith(("expertcache", "torch", "transformers")):
             raise ValueError(f"trace record needs the runtime (torch and transformers: "
                              f"pip install 'expertcache[torch]'); missing module {err.name}") from None
         raise
-    return run_record(args)
-
+    trace = record_trace(args.model, prompt, args.output, args.max_new_tokens, device=args.device,
+                         router_logits=args.router_logits)
+    print(f"wrote {args.output}: {trace.num_layers} MoE layers x {trace.num_tokens} tokens "
+          f"({int((trace.phases == 0).sum())} prompt), top-{trace.top_k} of {trace.num_experts}")
+    return 0

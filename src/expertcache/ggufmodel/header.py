@@ -19,6 +19,8 @@ from ..quant.formats import QuantFormat, check_supported, quant_format
 # GGUF architecture -> transformers model_type: the MoE architectures transformers reads from GGUF
 SUPPORTED_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
+_VOCAB_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                 "tokenizer.ggml.scores"}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -142,8 +144,8 @@ def _read_one(path: Path) -> tuple[dict, dict[str, TensorRef]]:
     except (ValueError, IndexError, OSError, KeyError) as err:
         raise ValueError(f"{path}: not a readable GGUF file ({err}); it may be truncated or not GGUF "
                          "at all: download it again") from None
-    metadata = {name: _value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")
-                or name in ("tokenizer.ggml.model",)}
+    # the vocabulary arrays are large and not needed here: skip them
+    metadata = {name: _value(f) for name, f in reader.fields.items() if name not in _VOCAB_ARRAYS}
     size = path.stat().st_size
     refs = {}
     for t in reader.tensors:

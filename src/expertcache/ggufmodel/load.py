@@ -107,7 +107,10 @@ def _hf_config(header: GgufModel):
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    values = dict(load_gguf_checkpoint(str(header.paths[0]), return_tensors=False)["config"])
+    if header.arch == "gpt-oss":  # transformers 5.24 crashes reading gpt-oss rope metadata
+        values = _gpt_oss_values(header)
+    else:
+        values = dict(load_gguf_checkpoint(str(header.paths[0]), return_tensors=False)["config"])
     # transformers 5.24 ignores expert_feed_forward_length (and the shared expert's size)
     if header.model_type == "gpt_oss":
         values["intermediate_size"] = header.expert_ff
@@ -123,6 +126,30 @@ def _hf_config(header: GgufModel):
         values["vocab_size"] = embed.shape[0]
     values.pop("model_type", None)
     return AutoConfig.for_model(header.model_type, **values)
+
+
+def _gpt_oss_values(header: GgufModel) -> dict:
+    """GptOssConfig values from llama.cpp's gpt-oss metadata keys."""
+    meta = header.metadata
+
+    def key(name, default=None):
+        return meta.get(f"gpt-oss.{name}", default)
+    values = {"num_hidden_layers": key("block_count"), "max_position_embeddings": key("context_length"),
+              "hidden_size": key("embedding_length"), "num_attention_heads": key("attention.head_count"),
+              "num_key_value_heads": key("attention.head_count_kv"), "head_dim": key("attention.key_length"),
+              "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "num_local_experts": key("expert_count"),
+              "num_experts_per_tok": key("expert_used_count"), "sliding_window": key("attention.sliding_window")}
+    values = {k: v for k, v in values.items() if v is not None}
+    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 150000.0))}
+    if key("rope.scaling.factor") is not None:
+        rope.update(rope_type="yarn", factor=float(key("rope.scaling.factor")), beta_fast=32.0, beta_slow=1.0,
+                    truncate=False,
+                    original_max_position_embeddings=int(key("rope.scaling.original_context_length", 4096)))
+    values["rope_parameters"] = rope
+    for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        if f"tokenizer.ggml.{name}" in meta:
+            values[name.replace("padding", "pad")] = int(meta[f"tokenizer.ggml.{name}"])
+    return values
 
 
 def _empty_model(hf_config, dtype: torch.dtype):
@@ -141,6 +168,8 @@ def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype) -> None
 
     processor = TENSOR_PROCESSORS.get(header.arch, TensorProcessor)(config=hf_config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
+    for block in range(hf_config.num_hidden_layers):  # GPT-OSS's sinks: not in gguf-py's name map
+        names.setdefault(f"blk.{block}.attn_sinks.weight", f"model.layers.{block}.self_attn.sinks")
     state = {}
     for name, ref in header.tensors.items():
         if _EXPERT.match(name):
@@ -185,11 +214,14 @@ def _part_tensors(parts: dict[str, TensorRef], mode: str) -> dict[str, torch.Ten
 
 def load_gguf_tokenizer(path: Path):
     """The tokenizer stored in the GGUF metadata (transformers converts it)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    header_path = read_header(path).paths[0]
+    header = read_header(path)
+    first = header.paths[0]
+    # AutoTokenizer reads the config through transformers' gpt-oss mapping, which crashes in 5.24
+    cls = PreTrainedTokenizerFast if header.arch == "gpt-oss" else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(header_path.parent, gguf_file=header_path.name)
+        return cls.from_pretrained(first.parent, gguf_file=first.name)
     except (KeyError, ValueError, OSError) as err:
         raise ValueError(f"{path}: no usable tokenizer in the GGUF metadata (tokenizer.ggml.*: {err}); "
                          "use a GGUF converted with its tokenizer") from None

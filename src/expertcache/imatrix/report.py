@@ -24,7 +24,7 @@ def plan_slots(counts: ExpertCounts, slots: int | None, fraction: float | None) 
 
 
 def build_report(counts: ExpertCounts, slots: int, top_k: int | None = None, hot: int = 8) -> dict:
-    """The JSON the issue specifies (layers, experts, counts, coverage, plan) plus context."""
+    """The ``--json`` document: layers, experts, counts, coverage, plan, plus context (docs/imatrix.md)."""
     plan = placement_keys(counts, slots, top_k)
     covered = plan_coverage(counts, plan)
     return {

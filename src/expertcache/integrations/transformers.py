@@ -213,6 +213,17 @@ def load_checkpoint(path: str | Path, dtype: str | None):
         path, dtype=_DTYPES[dtype] if dtype else "auto", device_map="cpu", local_files_only=True)
 
 
+def check_model_path(path: Path) -> None:
+    """Refuse a missing or unusable model early: a GGUF file (header read) or a checkpoint directory."""
+    from ..ggufmodel.header import read_header
+    from ..ggufmodel.load import is_gguf
+
+    if is_gguf(path):
+        read_header(path)
+    else:
+        check_checkpoint_dir(path)
+
+
 def check_checkpoint_dir(path: Path) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path} (give a local directory "
@@ -254,8 +265,20 @@ def load_tokenizer(path: str | Path):
     from ..ggufmodel.load import is_gguf, load_gguf_tokenizer
     if is_gguf(Path(path)):
         return load_gguf_tokenizer(Path(path))
+    # Without tokenizer files transformers still builds a tokenizer from config.json's model
+    # type, with an empty vocabulary: every prompt then encodes to no tokens and the failure
+    # shows up far away ("cannot reshape tensor of 0 elements"). Say what is missing instead.
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+             "spiece.model")
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in files):
+        raise ValueError(f"{path}: no tokenizer in the checkpoint directory (none of "
+                         f"{', '.join(files)}); save one next to the weights (tokenizer.save_pretrained)")
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: no usable tokenizer in the checkpoint directory ({err}); "
                          "save one next to the weights (tokenizer.save_pretrained)") from None
+    if len(tokenizer) < 2:  # tokenizer files that hold no vocabulary
+        raise ValueError(f"{path}: the checkpoint's tokenizer has an empty vocabulary; save the "
+                         "model's tokenizer next to the weights (tokenizer.save_pretrained)")
+    return tokenizer

@@ -8,7 +8,8 @@ import torch
 from ..cache import SlotTable
 from ..imatrix.apply import place
 from ..config import CacheConfig
-from ..sim.costmodel import ExpertCost, Hardware, prefer_cpu
+from ..sim.costmodel import (ExpertCost, Hardware, pool_extra_bytes, prefer_cpu, scratch_experts,
+                             slots_in_budget)
 from ..sim.hardware import DEFAULT, PRESETS
 from ..sizes import format_size
 from ..stats import DECODE, PREFILL
@@ -74,14 +75,11 @@ class ExpertCache:
         return slots, slots, staging
 
     def _scratch(self, staging: int) -> int:
-        """Experts one step dequantizes at once with quantized slots (a decode step's top-k)."""
-        return max(self.top_k, staging) if self.slot_format == "quantized" else 0
+        return scratch_experts(self.slot_format, self.top_k, staging)
 
     def _scratch_bytes(self, staging: int) -> int:
         """Device bytes besides the slots: the dequantization scratch, or one expert's landing buffer."""
-        if self.slot_format == "quantized":
-            return self._scratch(staging) * self.cost.compute_bytes
-        return self.expert_bytes if self.slot_format == "dequantized" else 0
+        return pool_extra_bytes(self.cost, self.slot_format, self._scratch(staging))
 
     def _slots_in_budget(self, run: CacheConfig, staging: int) -> int:
         """Cache slots that fit ``gpu_memory`` next to the staging slots and the scratch."""
@@ -89,7 +87,7 @@ class ExpertCache:
         each = self.cost.slot_bytes(self.slot_format)
         self._check_free(budget, f"gpu_memory={run.gpu_memory!r}")
         extra = self._scratch_bytes(staging)
-        slots = (budget - extra) // each - staging
+        slots = slots_in_budget(budget, self.cost, self.slot_format, staging, self._scratch(staging))
         per_layer = run.partition == "per-layer"
         need = k * (self.num_layers if per_layer else 1)
         if slots < need:
@@ -141,7 +139,10 @@ class ExpertCache:
         return self.pool.slot_bytes
 
     def stats(self) -> LiveStats:
-        return LiveStats(self.table.stats(), self.h2d)
+        mode, reason = self.host_mode
+        return LiveStats(self.table.stats(), self.h2d, {
+            "slot_format": self.slot_format, "bytes_per_slot": self.cost.slot_bytes(self.slot_format),
+            "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason})
 
     def reset_stats(self) -> None:
         self.table.reset_stats()

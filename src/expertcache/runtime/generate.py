@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-COLD_TOKENS = 16
+from ..decode_phases import COLD_TOKENS
 
 
 class _Clock:
@@ -99,6 +99,8 @@ def format_summary(summary: dict) -> str:
                          f"{'-' if per_tok is None else format_size(per_tok)} per decode token"),
                  ("slot pool", f"{c['slots']} slots + {c['staging']} staging = "
                                f"{format_size(c['slot_bytes'])} on {c['device']} "
-                               f"(expert {format_size(c['expert_bytes'])})")]
+                               f"(expert {format_size(c['expert_bytes'])}"
+                               f"{', ' + '/'.join(c['quant']) + ' in ' + c['slot_format'] + ' slots' if c['quant'] else ''})"),
+                 ("host experts", f"{c['host_memory']}: {c['host_memory_reason']}")]
     lines = [f"{label:<14}{value}" for label, value in rows]
     return "\n".join(lines)

@@ -115,7 +115,9 @@ class SlotPool:
         if self.format != "quantized":
             return self.tensors, mapping
         used = sorted(set(mapping.values()))
-        index = torch.tensor(used, device=self.device)
+        index = torch.tensor(used)
+        if self.cuda:  # pinned + async: a plain .to() would wait for the stream (a sync per step)
+            index = index.pin_memory().to(self.device, non_blocking=True)
         scratch = self.codec.decode({k: t.index_select(0, index) for k, t in self.tensors.items()})
         row = {slot: i for i, slot in enumerate(used)}
         return scratch, {expert: row[slot] for expert, slot in mapping.items()}

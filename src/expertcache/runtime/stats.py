@@ -8,11 +8,14 @@ from ..stats import DECODE, FIELDS, PREFILL, Stats, phase_code
 class LiveStats(Stats):
     """``Stats`` plus ``h2d_bytes`` per phase and layer (expert weights copied into slots)."""
 
-    def __init__(self, table_stats: Stats, h2d: list[list[int]]) -> None:
+    def __init__(self, table_stats: Stats, h2d: list[list[int]], pool: dict | None = None) -> None:
         raw = [[[getattr(table_stats.layer(layer, phase), f) for f in FIELDS]
                 for layer in range(table_stats.num_layers)] for phase in (PREFILL, DECODE)]
         super().__init__(raw)
         self._h2d = [list(row) for row in h2d]
+        # how the pool holds experts: slot format, bytes per slot and per load, where the host
+        # experts live ('pinned', 'copy' or 'mmap') and why
+        self.pool = dict(pool or {})
 
     def h2d_bytes(self, phase: int | str | None = None, layer: int | None = None) -> int:
         phases = (PREFILL, DECODE) if phase is None else (phase_code(phase),)
@@ -21,6 +24,7 @@ class LiveStats(Stats):
 
     def to_dict(self) -> dict:
         out = super().to_dict()
+        out["pool"] = self.pool
         out["total"]["h2d_bytes"] = self.h2d_bytes()
         out["prefill"]["h2d_bytes"] = self.h2d_bytes(PREFILL)
         out["decode"]["h2d_bytes"] = self.h2d_bytes(DECODE)

@@ -1,4 +1,4 @@
-"""Result rows for ``expertcache sim``: the JSON schema of issue 3 plus the cost model."""
+"""Result rows for ``expertcache sim``: hit and miss counts plus the cost model's predictions."""
 
 from __future__ import annotations
 
@@ -10,33 +10,38 @@ from .costmodel import ExpertCost, Hardware, bytes_moved, chosen_path, tokens_pe
 from .replay import ReplayResult
 
 
-def expert_cost(trace: Trace, expert_bytes: int | None = None,
-                model: str | None = None, dense_bytes: int = 0) -> ExpertCost | None:
-    """Bytes (and FLOPs) of one expert: ``expert_bytes`` > trace meta > model preset.
+def expert_cost(trace: Trace, expert_bytes: int | None = None, model: str | None = None,
+                dense_bytes: int = 0, quant: str | None = None) -> ExpertCost | None:
+    """Bytes (and FLOPs) of one expert: ``expert_bytes`` > ``model`` (a preset, optionally in
+    ``quant``, or a GGUF file's header) > trace meta.
 
     None when the size is unknown: then ``bytes_moved`` and ``predicted_tok_s`` are null.
     """
-    shape = None
+    if quant and not model:
+        raise ValueError("--quant sizes a preset's experts: give --model too (e.g. --model qwen3-30b-a3b)")
     if model:
-        from ..presets import preset
-        shape = preset(model)
-        if (shape.layers, shape.experts) != (trace.num_layers, trace.num_experts):
-            raise ValueError(f"model preset {model!r} has {shape.layers} layers x {shape.experts} "
+        from .expertsize import model_experts
+        found = model_experts(model, quant, dense_bytes)
+        if (found.layers, found.experts) != (trace.num_layers, trace.num_experts):
+            raise ValueError(f"model {model!r} has {found.layers} MoE layers x {found.experts} "
                              f"experts but the trace has {trace.num_layers} x {trace.num_experts}")
-    size = expert_bytes or trace.expert_bytes or (shape.expert_bytes if shape else None)
+        if expert_bytes is None:
+            return found.cost
+        return ExpertCost(int(expert_bytes), found.cost.expert_flops, int(dense_bytes))
+    size = expert_bytes or trace.expert_bytes
     if size is None:
         return None
-    flops = 2.0 * 3 * shape.hidden * shape.expert_ff if shape else None  # gate, up, down
     if dense_bytes < 0:
         raise ValueError(f"dense bytes must not be negative, got {dense_bytes}")
-    return ExpertCost(int(size), flops, int(dense_bytes))
+    return ExpertCost(int(size), None, int(dense_bytes))
 
 
 def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
-         cost: ExpertCost | None, hw: Hardware, miss_path: str = "auto") -> list[dict]:
-    """One JSON-ready dict per result (schema: issue 3, item 4)."""
+         cost: ExpertCost | None, hw: Hardware, miss_path: str = "auto",
+         slot_format: str = "dequantized") -> list[dict]:
+    """One JSON-ready dict per result (docs/simulator.md lists the fields)."""
     decode_tokens = int((trace.phases == DECODE).sum())
-    path = chosen_path(cost, hw, miss_path) if cost else miss_path
+    path = chosen_path(cost, hw, miss_path, slot_format) if cost else miss_path
     out = []
     for r in results:
         total = r.total
@@ -52,16 +57,18 @@ def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
             dec = r.stats.total(DECODE)
             row["predicted_tok_s"] = tokens_per_second(
                 dec.hits / decode_tokens, dec.misses / decode_tokens, cost, hw,
-                layers=trace.num_layers, miss_path=miss_path)
+                layers=trace.num_layers, miss_path=miss_path, slot_format=slot_format)
         out.append(row)
     return out
 
 
 def document(trace: Trace, table: list[dict], hw: Hardware, miss_path: str,
-             cost: ExpertCost | None) -> dict:
+             cost: ExpertCost | None, slot_format: str = "dequantized") -> dict:
     """The whole ``--json`` document."""
-    used = chosen_path(cost, hw, miss_path) if cost else None
+    used = chosen_path(cost, hw, miss_path, slot_format) if cost else None
     return {"trace": trace.summary(), "results": table,
             "cost_model": {"hardware": hw.name, "miss_path": miss_path, "miss_path_used": used,
+                           "slot_format": slot_format,
                            "expert_bytes": cost.expert_bytes if cost else None,
+                           "compute_bytes": cost.compute_bytes if cost else None,
                            "expert_flops": cost.expert_flops if cost else None}}

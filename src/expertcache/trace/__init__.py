@@ -1,4 +1,7 @@
-"""Routing traces: the .npz format, importers, synthetic generators, recording."""
+"""Routing traces: the .npz format, importers, synthetic generators (numpy only, no torch).
+
+Recording a live model's routing needs torch: ``integrations/record.py``.
+"""
 
 from .format import Trace, TraceError, load_trace, save_trace
 from .importers import import_trace

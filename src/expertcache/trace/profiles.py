@@ -4,16 +4,44 @@ Targets are per layer: lag-1 reuse and the share of selections carried by the
 hottest ``max(1, E // 16)`` experts (top-8 of 128). Qwen3-30B-A3B's are
 measured on the shared real traces (mean of code and general, 8000 tokens);
 the others are chosen, documented in docs/traces.md. ``skew`` and
-``stickiness`` are fitted to the targets by ``benchmarks/calibrate_synth.py``
-(``synth.fit``); rerun it and paste its output here after changing a target.
+``stickiness`` are fitted to the targets by ``research/calibrate_synth.py``;
+rerun it and paste its output here after changing a target. ``synth.py`` samples
+traces from these profiles (it imports this module, never the reverse).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..presets import preset
-from .synth import SynthProfile
+from ..presets import ModelShape, preset
+
+
+@dataclass(frozen=True)
+class SynthProfile:
+    """Calibration targets and fitted generator parameters of one model preset."""
+
+    preset: str
+    lag1: tuple[float, ...]        # per layer: target lag-1 reuse
+    hot_share: tuple[float, ...]   # per layer: target share of the hottest max(1, E // 16) experts
+    skew: tuple[float, ...]        # per layer: std of the static log-popularity (fitted)
+    stickiness: tuple[float, ...]  # per layer: P(keep a previous token's expert) (fitted)
+    drift: tuple[tuple[float, float], ...]  # (sd, tau tokens) of each OU drift term
+    fit_tokens: int                # trace length the targets refer to (top shares fall with length)
+    source: str                    # where the targets come from
+
+    def check(self, shape: ModelShape) -> None:
+        for name in ("lag1", "hot_share", "skew", "stickiness"):
+            if len(getattr(self, name)) != shape.layers:
+                raise ValueError(f"synth profile {self.preset!r}: {name} has "
+                                 f"{len(getattr(self, name))} values for {shape.layers} layers")
+
+
+def hot_count(num_experts: int) -> int:
+    """How many hottest experts the popularity target counts: 8 of 128, 1 of 8."""
+    return max(1, num_experts // 16)
+
 
 # Measured: per-layer mean of qwen3-30b-a3b-code.npz and -general.npz (expertcache trace info).
 QWEN3_LAG1 = (0.13, 0.26, 0.33, 0.38, 0.45, 0.44, 0.53, 0.55, 0.51, 0.51, 0.46, 0.44, 0.48, 0.40,
@@ -69,7 +97,7 @@ def targets(name: str) -> tuple[tuple[float, ...], tuple[float, ...], str]:
             "targets chosen: the Qwen3 depth profile stretched to this model's layers")
 
 
-# Fitted by benchmarks/calibrate_synth.py (synth.fit, 8000 tokens, 8 iterations, seed 0).
+# Fitted by research/calibrate_synth.py (8000 tokens, 8 iterations, seed 0).
 FITTED: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     'qwen3-30b-a3b': (
         (0.788, 0.881, 1.475, 1.265, 1.522, 1.583, 1.872, 2.155, 1.933, 1.685, 1.312, 1.566, 1.509,

@@ -14,12 +14,11 @@ The model, per MoE layer (all layers are sampled together, one token at a time):
 Rank order and router weights come from the same Gumbel-perturbed scores:
 weights are their softmax over the chosen experts (as top-k routers
 renormalise). ``profiles.py`` holds each preset's targets and fitted
-parameters; ``fit`` reproduces the parameters from the targets.
+parameters; ``research/calibrate_synth.py`` fits the parameters to the targets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from statistics import NormalDist
 
@@ -27,40 +26,14 @@ import numpy as np
 
 from ..presets import ModelShape, preset
 from .format import Trace
-from .locality import lag_reuse, top_share
+from .profiles import profile
 
 _CHUNK = 256  # tokens of random numbers drawn per batch (memory vs call overhead)
 _DRIFT_EVERY = 8  # the drift (tau >= 50 tokens) is held for this many tokens: 8x fewer draws
 
 
-@dataclass(frozen=True)
-class SynthProfile:
-    """Calibration targets and fitted generator parameters of one model preset."""
-
-    preset: str
-    lag1: tuple[float, ...]        # per layer: target lag-1 reuse
-    hot_share: tuple[float, ...]   # per layer: target share of the hottest max(1, E // 16) experts
-    skew: tuple[float, ...]        # per layer: std of the static log-popularity (fitted)
-    stickiness: tuple[float, ...]  # per layer: P(keep a previous token's expert) (fitted)
-    drift: tuple[tuple[float, float], ...]  # (sd, tau tokens) of each OU drift term
-    fit_tokens: int                # trace length the targets refer to (top shares fall with length)
-    source: str                    # where the targets come from
-
-    def check(self, shape: ModelShape) -> None:
-        for name in ("lag1", "hot_share", "skew", "stickiness"):
-            if len(getattr(self, name)) != shape.layers:
-                raise ValueError(f"synth profile {self.preset!r}: {name} has "
-                                 f"{len(getattr(self, name))} values for {shape.layers} layers")
-
-
-def hot_count(num_experts: int) -> int:
-    """How many hottest experts the popularity target counts: 8 of 128, 1 of 8."""
-    return max(1, num_experts // 16)
-
-
 def synth_trace(name: str, tokens: int, seed: int = 0, prompt: int = 0) -> Trace:
     """A synthetic trace of the preset ``name`` (one of ``profiles.FITTED``); first ``prompt`` tokens phase 0."""
-    from .profiles import profile
     shape = preset(name)
     prof = profile(shape.name)
     _check_count("tokens", tokens, 1)
@@ -146,25 +119,6 @@ def _ou_path(last: np.ndarray, sd: float, tau: float, n: int,
     steps = rng.standard_normal((n, *last.shape), dtype=np.float32) * (sd * np.sqrt(1 - rho * rho))
     i = np.arange(1, n + 1, dtype=float).reshape(-1, *([1] * last.ndim))
     return rho ** i * (last + np.cumsum(steps * rho ** -i, axis=0))
-
-
-def fit(shape: ModelShape, lag1, hot_share, drift, tokens: int = 8000, iters: int = 8,
-        seed: int = 0) -> tuple[list[float], list[float]]:
-    """Per-layer (skew, stickiness) whose traces hit the ``lag1`` and ``hot_share`` targets.
-
-    A damped fixed-point iteration on full-length pilot traces: skew moves with
-    the popularity error, stickiness with the reuse error. Used offline to
-    produce ``profiles.py``; ``benchmarks/calibrate_synth.py`` runs it.
-    """
-    r_target, h_target = np.asarray(lag1, float), np.asarray(hot_share, float)
-    skew, stick = np.full(shape.layers, 1.5), np.full(shape.layers, 0.1)
-    n_hot = hot_count(shape.experts)
-    for _ in range(iters):
-        ex, _ = sample(shape, skew, stick, drift, tokens, np.random.default_rng(seed))
-        r, h = lag_reuse(ex, shape.experts, 1), top_share(ex, shape.experts, n_hot)
-        skew = np.clip(skew + 4.0 * (h_target - h), 0.0, 4.0)
-        stick = np.clip(stick + 1.2 * (r_target - r), 0.0, 0.95)
-    return [round(float(v), 3) for v in skew], [round(float(v), 3) for v in stick]
 
 
 def _check_count(name: str, value, low: int) -> int:

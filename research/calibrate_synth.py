@@ -1,10 +1,11 @@
 """Fit the synthetic trace generator to each preset's targets; print the FITTED table.
 
-    .venv/bin/python benchmarks/calibrate_synth.py [PRESET ...]
+    .venv/bin/python research/calibrate_synth.py [PRESET ...]
 
 Prints ``trace/profiles.py``'s FITTED entries (paste them there), then checks the
 fit on a fresh seed: per-layer lag-1 reuse and hot share against the targets
-and LRU hit rates at 12.5 % / 25 % of experts through SlotTable.
+and LRU hit rates at 12.5 % / 25 % of experts through SlotTable. Research, not
+library: ``fit`` lives here with its only user; the package keeps the numbers.
 """
 
 from __future__ import annotations
@@ -16,10 +17,30 @@ import time
 import numpy as np
 
 from expertcache import SlotTable
-from expertcache.presets import preset
+from expertcache.presets import ModelShape, preset
 from expertcache.trace import profiles
 from expertcache.trace.locality import lag_reuse, top_share
-from expertcache.trace.synth import fit, hot_count, sample
+from expertcache.trace.profiles import hot_count
+from expertcache.trace.synth import sample
+
+
+def fit(shape: ModelShape, lag1, hot_share, drift, tokens: int = 8000, iters: int = 8,
+        seed: int = 0) -> tuple[list[float], list[float]]:
+    """Per-layer (skew, stickiness) whose traces hit the ``lag1`` and ``hot_share`` targets.
+
+    A damped fixed-point iteration on full-length pilot traces: skew moves with
+    the popularity error, stickiness with the reuse error. Offline only: its
+    output is pasted into ``profiles.FITTED``.
+    """
+    r_target, h_target = np.asarray(lag1, float), np.asarray(hot_share, float)
+    skew, stick = np.full(shape.layers, 1.5), np.full(shape.layers, 0.1)
+    n_hot = hot_count(shape.experts)
+    for _ in range(iters):
+        ex, _ = sample(shape, skew, stick, drift, tokens, np.random.default_rng(seed))
+        r, h = lag_reuse(ex, shape.experts, 1), top_share(ex, shape.experts, n_hot)
+        skew = np.clip(skew + 4.0 * (h_target - h), 0.0, 4.0)
+        stick = np.clip(stick + 1.2 * (r_target - r), 0.0, 0.95)
+    return [round(float(v), 3) for v in skew], [round(float(v), 3) for v in stick]
 
 
 def lru_hit_rate(experts: np.ndarray, num_experts: int, slots: int, partition: str) -> float:

@@ -6,11 +6,14 @@ wrong for DeepSeek-V3's biased, group-limited choice). Tokens of a forward with 
 than one new token are phase 0 (prompt), single-token forwards phase 1 (generation):
 the same rule the runtime uses to count prefill and decode.
 
-Live order: the runtime plans the prompt as one step per layer (the union of the
-prompt's experts, token-major, rank order) and each generated token as one step per
-layer. ``replay_live`` replays a recorded trace in that order, so a SlotTable with the
-live run's settings reproduces its hits and misses exactly. The trace's meta says so
-(``"prefill_steps": "batched"``).
+The runtime plans the prompt as one step per layer and each generated token as one
+step per layer; the trace's meta says so (``"prefill_steps": "batched"``), and the
+simulator replays it in that order (``trace.steps``) to the live run's exact hits and
+misses.
+
+Why here and not in ``trace/``: this module hooks transformers modules and needs torch,
+like the rest of ``integrations/``; ``trace/`` stays plain data (numpy only) that the
+simulator and the CLI import without torch.
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache import SlotTable
-from ..stats import PREFILL, Stats
-from .format import Trace, save_trace
+from ..stats import PREFILL
+from ..trace.format import Trace, save_trace
 
 
 def record(model, prompt_ids, max_new_tokens: int, router_logits: bool = False,
@@ -35,7 +37,7 @@ def record(model, prompt_ids, max_new_tokens: int, router_logits: bool = False,
     """
     import torch
 
-    from ..integrations.transformers import find_experts
+    from .transformers import find_experts
 
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.ndim != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"prompt_ids must be a [1, tokens] tensor (one sequence), got "
@@ -108,65 +110,21 @@ def _meta(model, experts, ex: np.ndarray) -> dict:
             "prefill_steps": "batched", "source": "expertcache trace record"}
 
 
-def live_steps(trace: Trace):
-    """Yield ``(layer, experts, phase)`` in the runtime's order: the leading prompt tokens as
-    one step per layer (union, token-major, rank order), then one step per token per layer.
-    A simulator replaying these steps reproduces a live run (meta ``prefill_steps: batched``)."""
-    phases = trace.phases
-    prompt = int(np.argmax(phases != PREFILL)) if (phases != PREFILL).any() else len(phases)
-    rows = trace.experts.tolist()  # [L][T][K]
-    if prompt:
-        for layer in range(trace.num_layers):
-            yield layer, list(dict.fromkeys(e for tok in rows[layer][:prompt] for e in tok)), PREFILL
-    for t in range(prompt, trace.num_tokens):
-        for layer in range(trace.num_layers):
-            yield layer, rows[layer][t], int(phases[t])
+def record_trace(model: str | Path, prompt: str, output: str | Path, max_new_tokens: int = 32, *,
+                 device: str | None = None, router_logits: bool = False) -> Trace:
+    """Load the local checkpoint ``model``, record ``prompt`` plus ``max_new_tokens`` greedy
+    tokens, save the trace to ``output`` and return it. Nothing is downloaded."""
+    from .transformers import check_checkpoint_dir, load_checkpoint, load_tokenizer
 
-
-def replay_live(trace: Trace, table: SlotTable) -> Stats:
-    """Step ``table`` through ``live_steps(trace)``; its stats equal the live run's."""
-    for layer, experts, phase in live_steps(trace):
-        table.step(layer, experts, phase)
-    return table.stats()
-
-
-def run_record(args) -> int:
-    """``expertcache trace record MODEL (--prompt TEXT | --prompt-file F) --max-new-tokens N -o OUT``."""
-    from ..integrations.transformers import check_checkpoint_dir, load_checkpoint, load_tokenizer
-
-    prompt = _prompt_text(args)
-    path = Path(args.model)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty")
+    path = Path(model)
     check_checkpoint_dir(path)
     tokenizer = load_tokenizer(path)
-    model = load_checkpoint(path, None).eval()
-    device = getattr(args, "device", None)
+    loaded = load_checkpoint(path, None).eval()
     if device:
-        model.to(device)
+        loaded.to(device)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    trace = record(model, ids, int(args.max_new_tokens),
-                   router_logits=bool(getattr(args, "router_logits", False)))
-    out = save_trace(trace, _output(args))
-    print(f"wrote {out}: {trace.num_layers} MoE layers x {trace.num_tokens} tokens "
-          f"({int((trace.phases == PREFILL).sum())} prompt), top-{trace.top_k} of {trace.num_experts}")
-    return 0
-
-
-def _prompt_text(args) -> str:
-    text, file = getattr(args, "prompt", None), getattr(args, "prompt_file", None)
-    if (text is None) == (file is None):
-        raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    if file is not None:
-        file = Path(file)
-        if not file.is_file():
-            raise FileNotFoundError(f"prompt file not found: {file}")
-        text = file.read_text()
-    if not text.strip():
-        raise ValueError("the prompt is empty")
-    return text
-
-
-def _output(args) -> Path:
-    out = getattr(args, "output", None) or getattr(args, "o", None) or getattr(args, "out", None)
-    if not out:
-        raise ValueError("give the output trace file with -o trace.npz")
-    return Path(out)
+    trace = record(loaded, ids, max_new_tokens, router_logits=router_logits)
+    save_trace(trace, output)
+    return trace

@@ -1,0 +1,93 @@
+"""``expertcache plan MODEL --gpu-memory 8GiB``: slots, hit rates and predicted tok/s before loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    from ..cache import PARTITIONS
+
+    p = sub.add_parser("plan", help="before loading: slots per slot format, predicted tok/s, a recommendation",
+                       description="Reads only the model's header (a GGUF file, or a preset name with --quant) "
+                                   "and predicts, for a device memory budget, how many experts each slot "
+                                   "format holds, the hit rate per policy (simulator, on --trace or a "
+                                   "calibrated synthetic trace) and the steady decode tok/s per policy, "
+                                   "slot format and miss path (cost model, --hardware), next to the "
+                                   "copy-every-pass and cpu baselines; recommends the fastest.")
+    p.add_argument("model", help="a .gguf model file, or a preset (see 'expertcache sim --help')")
+    p.add_argument("--gpu-memory", required=True, metavar="SIZE", help="budget for the slot pool, e.g. 8GiB")
+    p.add_argument("--quant", metavar="TYPE", help="with a preset: its experts in this ggml type, e.g. Q4_K")
+    p.add_argument("--trace", help="routing trace .npz of this model (default: a calibrated synthetic one "
+                   "when the model's shape has a profile)")
+    p.add_argument("--tokens", type=int, default=2000, help="tokens of the trace to replay (default 2000)")
+    p.add_argument("--policy", default="default,lru", help="eviction policies to compare (default: default,lru)")
+    p.add_argument("--partition", default="global", choices=PARTITIONS)
+    p.add_argument("--hardware", default="pcie4-consumer",
+                   help="cost-model profile: pcie4-consumer, pcie5-consumer, h200, or 'expertcache probe' JSON")
+    p.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..sim.expertsize import model_experts
+    from ..sim.hardware import load_hardware
+    from ..sim.plan import default_trace, plan
+    from ..sim.replay import resolve_policy
+
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for spec in policies:
+        resolve_policy(spec)  # unknown names fail before any work
+    model = model_experts(args.model, args.quant)
+    hw = load_hardware(args.hardware)
+    trace, why = _trace(args, model) if args.trace else default_trace(model, args.tokens)
+    result = plan(model, args.gpu_memory, hw, trace, policies, args.partition)
+    _print(result, why)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _trace(args, model):
+    from ..trace.format import load_trace
+
+    trace = load_trace(args.trace)
+    if (trace.num_layers, trace.num_experts) != (model.layers, model.experts):
+        raise ValueError(f"trace {args.trace} has {trace.num_layers} layers x {trace.num_experts} experts but "
+                         f"the model has {model.layers} x {model.experts}; record a trace of this model")
+    if args.tokens < trace.num_tokens:
+        trace = trace.slice_tokens(args.tokens)
+    return trace, f"trace {args.trace} ({trace.num_tokens} tokens)"
+
+
+def _print(result: dict, why: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..sizes import format_size
+
+    console = Console(width=max(Console().width, 100))
+    total = result["layers"] * result["experts"]
+    console.print(f"{result['model']}: {result['layers']} MoE layers x {result['experts']} experts, "
+                  f"top-{result['top_k']}; experts {result['quant']}, "
+                  f"{format_size(result['expert_bytes'])} stored, {format_size(result['compute_bytes'])} "
+                  f"in bf16; budget {format_size(result['gpu_memory'])}, hardware {result['hardware']}")
+    for fmt, slots in result["slots"].items():
+        console.print(f"  {fmt} slots: {slots} of {total} experts ({slots / total:.1%})"
+                      + ("  - below top-k, cannot run" if slots < result["top_k"] else ""))
+    console.print(f"hit rates from: {why}")
+    t = Table(title_justify="left")
+    t.caption = "tok/s: cost model, MoE part only (dense layers and overheads not counted): compare rows"
+    for col in ("configuration", "slots", "decode hit rate", "tok/s (predicted)"):
+        t.add_column(col, justify="left" if col == "configuration" else "right")
+    for row in result["rows"]:
+        t.add_row(row["config"], str(row["slots"]) if row["slots"] else "-",
+                  "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}",
+                  "-" if row["tok_s"] is None else f"{row['tok_s']:.1f}")
+    console.print(t)
+    best = result["best"]
+    if best:
+        console.print(f"recommended: {best['config']} ({best['tok_s']:.1f} tok/s predicted)")

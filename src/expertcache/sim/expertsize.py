@@ -1,0 +1,64 @@
+"""One expert's size and cost from a model preset or a GGUF file's header (torch-free).
+
+``--model qwen3-30b-a3b --quant Q4_K`` sizes the preset's expert in a ggml block type
+(gate and up rows hold ``hidden`` weights, down rows ``expert_ff``); ``--model
+model.gguf`` reads the stored sizes and types from the header without loading any
+tensor. Quantized experts compute in ``compute_dtype`` (bf16 on a GPU), which is what
+a dequantized slot holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..presets import preset
+from ..quant.formats import check_supported
+from .costmodel import ExpertCost
+
+COMPUTE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelExperts:
+    """Shape of a model's routed experts and what one of them costs."""
+
+    name: str
+    layers: int
+    experts: int
+    top_k: int
+    cost: ExpertCost
+    quant: str          # e.g. 'Q4_K/Q6_K', 'bf16'
+
+
+def model_experts(model: str, quant: str | None = None, dense_bytes: int = 0,
+                  compute_dtype: str = "bfloat16") -> ModelExperts:
+    """``model``: a preset name or a .gguf path; ``quant``: a ggml type for a preset's experts."""
+    if compute_dtype not in COMPUTE_BYTES:
+        raise ValueError(f"unknown compute dtype {compute_dtype!r}; use one of {', '.join(COMPUTE_BYTES)}")
+    width = COMPUTE_BYTES[compute_dtype]
+    if dense_bytes < 0:
+        raise ValueError(f"dense bytes must not be negative, got {dense_bytes}")
+    if model.lower().endswith(".gguf") or Path(model).is_file():
+        if quant is not None:
+            raise ValueError("--quant is for a preset; a GGUF file says its own quant types")
+        return _from_gguf(model, dense_bytes, width)
+    shape = preset(model)
+    params = 3 * shape.hidden * shape.expert_ff
+    if quant is None:
+        cost = ExpertCost(shape.expert_bytes, 2.0 * params, dense_bytes)
+        return ModelExperts(shape.name, shape.layers, shape.experts, shape.top_k, cost, shape.dtype)
+    fmt = check_supported(quant, f"--quant for {shape.name}")
+    stored = 2 * fmt.nbytes((shape.expert_ff, shape.hidden)) + fmt.nbytes((shape.hidden, shape.expert_ff))
+    cost = ExpertCost(stored, 2.0 * params, dense_bytes, compute_bytes=params * width)
+    return ModelExperts(shape.name, shape.layers, shape.experts, shape.top_k, cost, fmt.name)
+
+
+def _from_gguf(path: str, dense_bytes: int, width: int) -> ModelExperts:
+    from ..ggufmodel.header import read_header
+
+    header = read_header(path)
+    params = header.expert_params
+    cost = ExpertCost(header.expert_bytes, 2.0 * params, dense_bytes, compute_bytes=params * width)
+    types = "/".join(dict.fromkeys(t for p, t in header.quant_types.items() if p.endswith("weight")))
+    return ModelExperts(Path(path).name, len(header.moe_blocks), header.num_experts, header.top_k, cost, types)

@@ -1,0 +1,94 @@
+"""``expertcache plan``: what a model will do in a memory budget, before anything is loaded.
+
+From the model's header (a GGUF file) or a preset, the budget and a routing trace:
+expert bytes, slots per slot format (the runtime's own sizing arithmetic), hit rates
+per policy from the simulator, predicted steady decode tok/s per policy, slot format
+and miss path from the cost model, the baselines beside them, and the fastest
+configuration. Torch-free; nothing but the header is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..config import MISS_PATHS
+from ..sizes import parse_size
+from ..stats import DECODE
+from ..trace.format import Trace
+from .costmodel import Hardware, scratch_experts, slots_in_budget, tokens_per_second
+from .expertsize import ModelExperts
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    config: str          # e.g. 'default, quantized slots, fetch' or 'copy-every-pass'
+    slot_format: str
+    slots: int
+    hit_rate: float | None
+    miss_path: str
+    tok_s: float | None
+
+
+def formats_for(model: ModelExperts) -> tuple[str, ...]:
+    return ("quantized", "dequantized") if model.cost.quantized else ("plain",)
+
+
+def pool_slots(model: ModelExperts, budget: int, slot_format: str) -> int:
+    """Cache slots the runtime would build in ``budget`` (capped at every expert)."""
+    k = model.top_k
+    slots = slots_in_budget(budget, model.cost, slot_format, k, scratch_experts(slot_format, k, k))
+    return max(0, min(slots, model.layers * model.experts))
+
+
+def plan(model: ModelExperts, gpu_memory: str | int, hw: Hardware, trace: Trace | None,
+         policies: list[str], partition: str = "global") -> dict:
+    """Rows for every (policy, slot format, miss path) and the baselines; the best first."""
+    budget = parse_size(gpu_memory)
+    per_token = model.layers * model.top_k  # expert uses per decode token
+    rows = []
+    for path in ("fetch", "cpu"):  # the baselines: nothing cached, every use a miss
+        name = "copy-every-pass" if path == "fetch" else "cpu"
+        rows.append(PlanRow(name, "-", 0, 0.0, path, _tok_s(model, hw, 0, per_token, path, "dequantized")))
+    sizes = {fmt: pool_slots(model, budget, fmt) for fmt in formats_for(model)}
+    for fmt, slots in sizes.items():
+        if slots < model.top_k or trace is None:
+            continue
+        for policy in policies:
+            hits = _decode_hit_rate(trace, policy, slots, partition)
+            for path in MISS_PATHS:
+                tok = _tok_s(model, hw, hits * per_token, (1 - hits) * per_token, path, fmt)
+                rows.append(PlanRow(f"{policy}, {fmt} slots, miss {path}", fmt, slots, hits, path, tok))
+    ranked = sorted(rows, key=lambda r: -(r.tok_s or 0.0))
+    return {"model": model.name, "layers": model.layers, "experts": model.experts, "top_k": model.top_k,
+            "quant": model.quant, "expert_bytes": model.cost.expert_bytes,
+            "compute_bytes": model.cost.compute_bytes, "gpu_memory": budget, "hardware": hw.name,
+            "slots": sizes, "trace": None if trace is None else trace.meta.get("source", "trace"),
+            "rows": [asdict(r) for r in ranked],
+            # without hit rates there is no cache row to weigh against the baselines: no verdict
+            "best": asdict(ranked[0]) if trace is not None else None}
+
+
+def _decode_hit_rate(trace: Trace, policy: str, slots: int, partition: str) -> float:
+    from .replay import replay
+
+    stats = replay(trace, policy, slots, partition).stats.total(DECODE)
+    return stats.hits / stats.accesses if stats.accesses else 0.0
+
+
+def _tok_s(model: ModelExperts, hw: Hardware, hits: float, misses: float, path: str, fmt: str) -> float:
+    return tokens_per_second(hits, misses, model.cost, hw, layers=model.layers, miss_path=path,
+                             slot_format=fmt)
+
+
+def default_trace(model: ModelExperts, tokens: int, seed: int = 0) -> tuple[Trace | None, str]:
+    """A synthetic trace when a preset of the same shape has a calibrated profile; else None, why."""
+    from ..presets import PRESETS
+    from ..trace.profiles import FITTED
+    from ..trace.synth import synth_trace
+
+    for name, shape in PRESETS.items():
+        if (shape.layers, shape.experts, shape.top_k) == (model.layers, model.experts, model.top_k) \
+                and name in FITTED:
+            return synth_trace(name, tokens, seed=seed), f"synthetic {name} trace ({tokens} tokens)"
+    return None, (f"no routing trace for {model.layers} layers x {model.experts} experts, top-{model.top_k}: "
+                  "give --trace (record one with 'expertcache trace record'); slot counts only")

@@ -1,0 +1,69 @@
+"""GGUF models on CUDA: both slot formats equal the CPU reference, pinned quantized host bytes,
+and no device-to-host sync in a step besides reading the router's choices. Run by
+benchmarks/gpu_check.sh."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device (torch.cuda.is_available() is False); "
+                              "run benchmarks/gpu_check.sh on a GPU machine"),
+]
+
+import expertcache  # noqa: E402
+from expertcache.runtime import experts as experts_mod  # noqa: E402
+from gguf_models import write_gguf  # noqa: E402
+from test_gguf import PROMPT, reference  # noqa: E402
+
+
+@pytest.mark.parametrize("expert_type", ["Q4_K", "MXFP4"])
+@pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
+def test_cuda_gguf_equals_cpu_reference(tmp_path, expert_type, slot_format):
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", expert_type)
+    ref = reference(path)
+    with torch.no_grad():
+        want_logits = ref(PROMPT).logits
+        want = ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    model = expertcache.offload(path, slots=6, device="cuda", dtype="float32", slot_format=slot_format)
+    cache = model.expertcache
+    assert cache.host_mode[0] == "pinned"
+    assert all(t.is_pinned() for host in cache.hosts for t in host.tensors.values())
+    with torch.no_grad():
+        logits = model(PROMPT.cuda()).logits.cpu()
+        out = model.generate(PROMPT.cuda(), max_new_tokens=10, do_sample=False).cpu()
+    assert (logits - want_logits).abs().max().item() <= 1e-3  # TF32 / cuBLAS sums against the CPU's
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
+def test_cuda_gguf_one_sync_per_step(tmp_path, monkeypatch, slot_format):
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q4_K")
+    model = expertcache.offload(path, slots=6, device="cuda", slot_format=slot_format)
+    real_to_host, real_step = experts_mod._to_host, experts_mod.run_step
+    calls = {"steps": 0}
+
+    def to_host(*args):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real_to_host(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def run_step(*args):
+        calls["steps"] += 1
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_step(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(experts_mod, "_to_host", to_host)
+    monkeypatch.setattr(experts_mod, "run_step", run_step)
+    with torch.no_grad():
+        model.generate(PROMPT.cuda(), max_new_tokens=8, do_sample=False)
+    assert calls["steps"] > 0
