@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 
 import gguf
 import numpy as np
@@ -72,16 +73,25 @@ def hf_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), ggml[..., 0].contiguous()
 
 
-def write_gpt_oss_mxfp4(path, seed: int = 0):
-    """A tiny GPT-OSS checkpoint with MXFP4 experts, as openai/gpt-oss-* stores them."""
-    config = tiny_config("gpt_oss", hidden=64)
-    config.intermediate_size = 64  # MXFP4 blocks run along rows of 32
+def write_gpt_oss_mxfp4(path, seed: int = 0, hidden: int = 64, layers: int = 2, quantize: bool = True):
+    """A tiny GPT-OSS checkpoint with MXFP4 experts, as openai/gpt-oss-* stores them.
+
+    ``quantize=False`` writes random valid blocks instead of quantizing (gguf-py's quantizer is
+    numpy, slow for large experts): for tests that look at memory, not values.
+    """
+    config = tiny_config("gpt_oss", hidden=hidden, layers=layers)
+    config.intermediate_size = hidden  # MXFP4 blocks run along rows of 32
     model = _random_model(config, seed)
     save_checkpoint(model, path)
     state = load_file(path / "model.safetensors")
     for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         weight = state.pop(key).transpose(1, 2).contiguous()  # GPT-OSS stores [E, in, out]; blocks are [E, out, in]
-        state[key + "_blocks"], state[key + "_scales"] = hf_mxfp4(weight)
+        if quantize:
+            state[key + "_blocks"], state[key + "_scales"] = hf_mxfp4(weight)
+        else:
+            experts, rows, cols = weight.shape
+            state[key + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8)
+            state[key + "_scales"] = torch.randint(118, 127, (experts, rows, cols // 32), dtype=torch.uint8)
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     _set_quant(path, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                          "model.layers.*.mlp.router",
@@ -352,3 +362,37 @@ def test_loaded_quantized_model_points_to_the_directory(tmp_path):
                                               requires_grad=False)
     with pytest.raises(ValueError, match="pass the checkpoint directory to offload"):
         expertcache.offload(model, slots=4)
+
+
+def test_loader_never_holds_dequantized_experts(tmp_path):
+    """Peak RSS while loading an MXFP4 checkpoint stays far below its experts' float32 size.
+
+    Measured in a fresh process after loading a tiny checkpoint of the same family (which
+    imports every module a load needs), the peak reset there (/proc/self/clear_refs).
+    """
+    import subprocess
+    import sys
+    import textwrap
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc to reset the peak RSS")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "big").mkdir()
+    tiny = write_gpt_oss_mxfp4(tmp_path / "tiny", quantize=False)
+    path = write_gpt_oss_mxfp4(tmp_path / "big", hidden=1024, layers=4, quantize=False)
+    f32_experts = 4 * 8 * 3 * 1024 * 1024 * 4  # 403 MB dequantized; the checkpoint holds 54 MB of MXFP4
+    code = textwrap.dedent(f"""
+        import re, expertcache
+        expertcache.offload({str(tiny)!r}, slots=16, slot_format="quantized")
+        def status(field):
+            return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+        open("/proc/self/clear_refs", "w").write("5")  # peak RSS := current RSS
+        before = status("VmRSS")
+        model = expertcache.offload({str(path)!r}, slots=16, slot_format="quantized")
+        print(before, status("VmHWM"))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = map(int, out.stdout.split()[-2:])
+    # the repacked copy (54 MB), the file's pages mapped while reading them (54 MB) and one chunk
+    # of temporaries: measured 140 MB. A dequantized copy alone would be 403 MB.
+    assert after - before < f32_experts / 2, (before, after)
