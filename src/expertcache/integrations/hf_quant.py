@@ -62,8 +62,9 @@ def load_hf_quantized(path: str | Path, config: CacheConfig, device: torch.devic
     qcfg = _quant_settings(path, getattr(hf_config, "quantization_config", None) or {})
     del hf_config.quantization_config  # build plain experts modules: the cache serves them
     if config.host_memory == "mmap":
-        raise ValueError(f"{path}: host_memory='mmap' reads experts from a GGUF file; a {QUANT_METHODS[qcfg['quant_method']]} "
-                         "checkpoint's experts are repacked at load, so they live in RAM (use 'auto' or 'copy')")
+        raise ValueError(f"{path}: host_memory='mmap' reads experts from a GGUF file; a "
+                         f"{QUANT_METHODS[qcfg['quant_method']]} checkpoint's experts are repacked at load, "
+                         "so they live in RAM (use 'auto' or 'copy')")
     dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = _empty_model(hf_config, dtype)
     found = find_experts(model)
