@@ -294,6 +294,23 @@ def test_baselines_move_quantized_bytes(tmp_path):
             assert stats.h2d_bytes() == 0
 
 
+def test_sharded_checkpoint(tmp_path):
+    """Released checkpoints come in shards with an index; experts of one layer may span two files."""
+    path, _ = write_fp8(tmp_path, ff=128)
+    single = expertcache.offload(path, slots=6)
+    state = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, names in shards.items():
+        save_file({k: state[k] for k in names}, path / name, metadata={"format": "pt"})
+    weight_map = {k: name for name, names in shards.items() for k in names}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    sharded = expertcache.offload(path, slots=6)
+    with torch.no_grad():
+        assert torch.equal(single(PROMPT).logits, sharded(PROMPT).logits)
+
+
 # -- bad input: one clear line, nothing loaded ----------------------------------------------------
 def _one_line(err) -> str:
     text = str(err.value)
