@@ -19,9 +19,8 @@ from ..runtime.experts import IMPLEMENTATION, expertcache_experts_forward
 from ..runtime.host import HostExperts, check_layout
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# quant methods whose expert layout the codec cannot read (block FP8 and MXFP4: integrations/hf_quant.py)
-_UNSUPPORTED_QUANT = {"fbgemm_fp8": "per-channel FP8 (fbgemm_fp8)", "bitsandbytes": "bitsandbytes",
-                      "gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors"}
+# quantized experts the codec cannot read (block FP8 and MXFP4 load: integrations/hf_quant.py)
+_UNSUPPORTED_QUANT = {"fbgemm_fp8": "per-channel FP8 (fbgemm_fp8)"}
 
 
 def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | None = None,
