@@ -413,3 +413,17 @@ def test_loader_never_holds_dequantized_experts(tmp_path):
     # the repacked copy (54 MB), the file's pages mapped while reading them (54 MB) and one chunk
     # of temporaries: measured 140 MB. A dequantized copy alone would be 403 MB.
     assert after - before < f32_experts / 2, (before, after)
+
+
+def test_codec_fp8_kinds_are_checked():
+    from expertcache.quant.formats import quant_format
+    from expertcache.quant.hf import FP8_E4M3
+    from expertcache.runtime.quantized import Codec, Kind, Part
+
+    w, s, f = Part("w", FP8_E4M3, (4, 4)), Part("s", quant_format("F32"), (1, 1)), Part("f", quant_format("F32"), (4, 4))
+    codec = Codec((w, s), (Kind("down_proj", "fp8", ("w", "s"), BLOCK),), torch.float32)
+    assert codec.params == 16 and codec.expert_bytes == 16 + 4  # the scale is stored, not a parameter
+    for bad in (Kind("down_proj", "fp8", ("f", "s"), BLOCK), Kind("down_proj", "fp8", ("w",), BLOCK),
+                Kind("down_proj", "fp8", ("w", "s"))):
+        with pytest.raises(ValueError, match="'fp8' takes"):
+            Codec((w, s, f), (bad,), torch.float32)

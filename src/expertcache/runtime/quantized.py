@@ -81,8 +81,11 @@ class Codec:
         for kind in self.kinds:
             if kind.join not in JOINS or not set(kind.parts) <= names:
                 raise ValueError(f"bad codec kind {kind}")
-            if (kind.join == "fp8") != (kind.block is not None) or (kind.join == "fp8" and len(kind.parts) % 2):
-                raise ValueError(f"bad codec kind {kind}: 'fp8' takes (weight, scale) pairs and a block")
+            fp8 = kind.join == "fp8"
+            if fp8 != (kind.block is not None) or (fp8 and (len(kind.parts) % 2 or any(
+                    self.part[w].fmt != FP8_E4M3 for w in kind.weights))):
+                raise ValueError(f"bad codec kind {kind}: 'fp8' takes ({FP8_E4M3.name} weight, scale) "
+                                 "pairs and a block")
 
     @property
     def part(self) -> dict[str, Part]:
@@ -126,9 +129,10 @@ class Codec:
 
         out = {}
         for kind in self.kinds:
-            if kind.join == "fp8":
-                out[kind.name] = torch.cat([_fp8(data[w], part[w], floats(s, torch.float32), kind.block, self.dtype)
-                                            for w, s in zip(kind.parts[::2], kind.parts[1::2])], dim=1)
+            if kind.join == "fp8":  # rows of each (weight, scale) pair, one after another
+                pairs = [_fp8(data[w], part[w], floats(s, torch.float32), kind.block, self.dtype)
+                         for w, s in zip(kind.parts[::2], kind.parts[1::2])]
+                out[kind.name] = pairs[0] if len(pairs) == 1 else torch.cat(pairs, dim=1)
             else:
                 out[kind.name] = _join(kind, [floats(p, self.dtype) for p in kind.parts])
         return out
@@ -137,8 +141,6 @@ class Codec:
 def _fp8(raw: torch.Tensor, part: Part, scale: torch.Tensor, block: tuple[int, int],
          dtype: torch.dtype) -> torch.Tensor:
     """n experts' raw float8 bytes [n, rows * cols] times their tile scales -> [n, rows, cols]."""
-    if part.fmt != FP8_E4M3:
-        raise ValueError(f"'fp8' joins need {FP8_E4M3.name} weight parts, got {part.name} in {part.fmt.name}")
     weight = raw.view(torch.float8_e4m3fn).reshape(raw.shape[0], *part.shape)
     return fp8_block(weight, scale, block, dtype)
 
