@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # One check for a session that has the GPU machine (under 8 minutes):
 #   1. the CUDA tests (pytest -m gpu): pinned memory, copy stream + events, fixed slot
-#      addresses, one device->host sync per MoE layer step, exact logits on CUDA;
+#      addresses, one device->host sync per MoE layer step, exact logits on CUDA; the torch
+#      dequantizers bit for bit on CUDA and GGUF models in both slot formats (when present);
 #   2. pinned vs pageable host->device bandwidth;
 #   3. decode at real expert sizes (Qwen3-30B-A3B experts: hidden 2048, FF 768, 128 experts,
 #      top-8, bf16; 4 MoE layers to stay in time): resident / copy-every-pass / cpu baselines
 #      and the cache (lru, 25% of experts) with fetch and cpu miss paths;
-#   4. `expertcache bench` (the benchmark issue) at real Qwen3-30B-A3B expert sizes, 8 layers.
+#   4. `expertcache bench` (the benchmark issue) at real Qwen3-30B-A3B expert sizes, 8 layers;
+#   5. benchmarks/bench_quantized.py (issue 11): the same decode in bf16 and in Q4_K (Q4_K/Q6_K
+#      blocks, 2.92 MiB experts) on one pool budget, bf16 / quantized / dequantized slots and
+#      the baselines, 8 layers: the figures the CPU run cannot give;
+#   6. benchmarks/bench_overhead.py on CUDA: all-resident decode through expertcache against
+#      plain transformers on the same weights (the host-side cost per MoE step, which limits
+#      GPU decode once hits are high).
 # Prints one table; writes everything under benchmarks/results/gpu_check-<UTC time>/.
 # Usage (repository root): bash benchmarks/gpu_check.sh
 set -u
@@ -26,7 +33,9 @@ if [ "$DRY" != 1 ] && ! "$PY" -c "import torch; assert torch.cuda.is_available()
 fi
 export GPU_CHECK_DRY=$DRY
 
-timeout 150 "$PY" -m pytest -m gpu tests/test_gpu.py tests/test_bench_gpu.py -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
+GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py)
+for t in tests/test_dequant_gpu.py tests/test_gguf_gpu.py; do [ -f "$t" ] && GPU_TESTS+=("$t"); done
+timeout 180 "$PY" -m pytest -m gpu "${GPU_TESTS[@]}" -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
 echo $? > "$OUT/pytest.rc"
 
 timeout 150 "$PY" - "$OUT" <<'PYEOF' > "$OUT/run.txt" 2>&1
@@ -113,6 +122,24 @@ else
   echo "expertcache bench is not available in this checkout" > "$OUT/bench.txt"; echo 0 > "$OUT/bench.rc"
 fi
 
+# issue 11: bf16 vs Q4_K decode on one pool budget (real sizes, 8 layers, 128 tokens, 2 repeats)
+if [ "$DRY" = 1 ]; then QSIZE=(--hidden 256 --expert-ff 256 --layers 2 --tokens 32 --repeats 1 --device cpu)
+else QSIZE=(--layers 8 --tokens 128 --repeats 2 --device cuda); fi
+if [ -f benchmarks/bench_quantized.py ]; then
+  timeout 180 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$OUT/bench_quantized.json" \
+    --plot "$OUT/bench_quantized.png" > "$OUT/bench_quantized.txt" 2>&1
+  echo $? > "$OUT/bench_quantized.rc"
+else
+  echo "benchmarks/bench_quantized.py is not in this checkout" > "$OUT/bench_quantized.txt"; echo 0 > "$OUT/bench_quantized.rc"
+fi
+
+# all-resident decode through expertcache vs plain transformers on the device (runtime overhead)
+if [ "$DRY" = 1 ]; then OSIZE=(--device cpu --tokens 8 --repeats 1)
+else OSIZE=(--device cuda --dtype bfloat16 --tokens 48 --repeats 3); fi
+timeout 60 "$PY" benchmarks/bench_overhead.py "${OSIZE[@]}" --json "$OUT/bench_overhead.json" \
+  > "$OUT/bench_overhead.txt" 2>&1
+echo $? > "$OUT/bench_overhead.rc"
+
 "$PY" - "$OUT" <<'PYEOF'
 import json, os, sys
 out = sys.argv[1]
@@ -134,5 +161,10 @@ bench = open(f"{out}/bench.txt").read().strip().splitlines()
 print(f"{'expertcache bench (rc ' + open(f'{out}/bench.rc').read().strip() + ')':34} last lines of {out}/bench.txt:")
 for line in bench[-12:]:
     print(f"  {line}")
+for name, lines in (("bench_quantized", 14), ("bench_overhead", 5)):
+    rc = open(f"{out}/{name}.rc").read().strip()
+    print(f"{name + ' (rc ' + rc + ')':34} last lines of {out}/{name}.txt:")
+    for line in open(f"{out}/{name}.txt").read().strip().splitlines()[-lines:]:
+        print(f"  {line}")
 print(f"results in {out}")
 PYEOF

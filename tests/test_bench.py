@@ -182,6 +182,8 @@ def test_verdict_calls_a_winner_only_beyond_the_spread():
     text = verdict(clear + [cache])
     assert "ran 1.06x copy-every-pass (within the spread: no measured difference)." in text
     assert "blocks differed by up to 16% of its tok/s" in text  # the cache's (15.1 - 12.9) / 14
+    assert "busy machine" not in text
+    assert "busy machine" in verdict(clear + [_row("cache", 14.0, [10.0, 15.1], "lru", 64)])
 
 
 def test_cost_model_prediction_per_strategy(result):

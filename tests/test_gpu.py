@@ -20,7 +20,7 @@ pytestmark = [
 from tiny_moe import tiny_model  # noqa: E402
 
 from expertcache.integrations.transformers import offload  # noqa: E402
-from expertcache.runtime import experts as experts_mod  # noqa: E402
+from cuda_sync import forbid_syncs_in_steps  # noqa: E402
 
 
 def _decode(model, ids, n=12):
@@ -63,27 +63,7 @@ def test_pinned_host_fixed_device_pool_and_copy_stream():
 def test_one_sync_per_moe_layer_step(monkeypatch, miss):
     """Only _to_host synchronises; any other implicit sync inside a step raises (sync debug mode)."""
     model = offload(tiny_model("qwen3_moe"), slots=3, device="cuda", miss=miss)
-    calls = {"to_host": 0, "steps": 0}
-    real_to_host, real_step = experts_mod._to_host, experts_mod.run_step
-
-    def to_host(*args):
-        calls["to_host"] += 1
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return real_to_host(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    def run_step(*args):
-        calls["steps"] += 1
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return real_step(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-
-    monkeypatch.setattr(experts_mod, "_to_host", to_host)
-    monkeypatch.setattr(experts_mod, "run_step", run_step)
+    calls = forbid_syncs_in_steps(monkeypatch)
     _decode(model, torch.randint(2, 96, (1, 9)), n=10)
     assert calls["steps"] > 0 and calls["to_host"] == calls["steps"]
 

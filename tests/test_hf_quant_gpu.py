@@ -21,7 +21,7 @@ pytestmark = [
 ]
 
 import expertcache  # noqa: E402
-from expertcache.runtime import experts as experts_mod  # noqa: E402
+from cuda_sync import forbid_syncs_in_steps  # noqa: E402
 from test_hf_quant import PROMPT, fp8_reference, transformers_reference, write_fp8, write_gpt_oss_mxfp4  # noqa: E402
 
 
@@ -54,26 +54,7 @@ def test_cuda_hf_quant_equals_cpu_reference(tmp_path, kind, slot_format):
 def test_cuda_hf_quant_one_sync_per_step(tmp_path, monkeypatch, kind):
     path, _ = _checkpoint(kind, tmp_path)
     model = expertcache.offload(path, slots=6, device="cuda", slot_format="quantized")
-    real_to_host, real_step = experts_mod._to_host, experts_mod.run_step
-    calls = {"steps": 0}
-
-    def to_host(*args):  # the one allowed sync: the router's choices
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return real_to_host(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    def run_step(*args):
-        calls["steps"] += 1
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return real_step(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-
-    monkeypatch.setattr(experts_mod, "_to_host", to_host)
-    monkeypatch.setattr(experts_mod, "run_step", run_step)
+    calls = forbid_syncs_in_steps(monkeypatch)
     with torch.no_grad():
         model.generate(PROMPT.cuda(), max_new_tokens=8, do_sample=False)
-    assert calls["steps"] > 0
+    assert calls["steps"] > 0 and calls["to_host"] == calls["steps"]

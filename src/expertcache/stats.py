@@ -63,6 +63,22 @@ class Stats:
             total = total + self.layer(layer, phase)
         return total
 
+    def sums(self, phase: int | str) -> dict[str, int]:
+        """Totals of one phase over all layers, cheaply (per-forward snapshots use it)."""
+        return dict(zip(FIELDS, map(sum, zip(*self._raw[phase_code(phase)]))))
+
+    def since(self, earlier: Stats) -> Stats:
+        """The counts added after ``earlier`` (a snapshot of the same table)."""
+        return Stats(_minus(self._raw, earlier._raw))
+
+    def rows(self) -> list[tuple[str, Counts]]:
+        return [("prefill", self.total(PREFILL)), ("decode", self.total(DECODE)), ("total", self.total())]
+
+    def __str__(self) -> str:
+        return format_table(self.rows(), f"{self.num_layers} layers; .layer(i, phase) for one layer")
+
+    __repr__ = __str__
+
     def to_dict(self) -> dict:
         """JSON-ready: totals, per phase, and per layer per phase."""
         return {
@@ -76,3 +92,21 @@ class Stats:
                 for layer in range(self.num_layers)
             ],
         }
+
+
+def _minus(now: list, before: list) -> list:
+    if isinstance(now, list):
+        return [_minus(a, b) for a, b in zip(now, before)]
+    return now - before
+
+
+def format_table(rows: list[tuple[str, Counts]], note: str, extra: dict[str, list[str]] | None = None) -> str:
+    """A plain-text table of counters, one row per label; ``extra`` adds columns (already formatted)."""
+    extra = extra or {}
+    head = ["", *FIELDS, "hit rate", *extra]
+    body = [[label, *(str(getattr(c, f)) for f in FIELDS), f"{c.hit_rate:.3f}",
+             *(col[i] for col in extra.values())] for i, (label, c) in enumerate(rows)]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                       enumerate(zip(r, widths))) for r in [head, *body]]
+    return "\n".join([*lines, f"({note})"])

@@ -26,6 +26,8 @@ class Strategy:
     eviction: str | None = None
     admission: str = "always"
     label: str = ""            # what the user asked for, e.g. "default (lru)"
+    eviction_params: tuple = ()  # (name, value) pairs, e.g. (("protected", 0.5),)
+    admission_params: tuple = ()
 
     @property
     def name(self) -> str:
@@ -48,7 +50,9 @@ class Strategy:
         if self.kind in BASELINES:
             return CacheConfig(baseline=self.kind, partition=partition)
         eviction = "lru" if self.kind == OPTIMUM else self.eviction
+        params = {} if self.kind == OPTIMUM else dict(self.eviction_params)
         return CacheConfig(slots=self.slots, eviction=eviction, admission=self.admission,
+                           eviction_params=params, admission_params=dict(self.admission_params),
                            partition=partition)
 
     @property
@@ -56,7 +60,9 @@ class Strategy:
         """The spec ``expertcache sim`` replays for the same configuration."""
         if self.kind == OPTIMUM:
             return OPTIMUM
-        return f"{self.eviction}+{self.admission}"
+        def side(name, params):  # the --policy syntax: NAME:KEY=VALUE...
+            return ":".join([name, *(f"{k}={v}" for k, v in params)])
+        return f"{side(self.eviction, self.eviction_params)}+{side(self.admission, self.admission_params)}"
 
 
 def plan(policies: list[str], slots: list[int], *, baselines=BASELINES,
@@ -70,7 +76,8 @@ def plan(policies: list[str], slots: list[int], *, baselines=BASELINES,
         if spec.strip() == OPTIMUM:
             continue  # belady is added once below, not as a causal policy
         p = resolve_policy(spec)
-        out += [Strategy("cache", n, p.eviction, p.admission, p.label) for n in slots]
+        out += [Strategy("cache", n, p.eviction, p.admission, p.label, p.eviction_params, p.admission_params)
+                for n in slots]
     if optimum:
         out += [Strategy(OPTIMUM, n, OPTIMUM, "always", OPTIMUM) for n in slots]
     return out

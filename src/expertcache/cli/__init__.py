@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ("policies", "imatrix", "sim", "plan", "probe", "trace", "generate", "bench", "demo")
+COMMANDS = ("policies", "imatrix", "sim", "plan", "probe", "trace", "generate", "serve", "bench", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=int, help="run only the first N MoE layers")
     p.add_argument("--tokens", type=int, default=256, help="tokens replayed (default 256)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--policy", help="cache policies, comma separated, e.g. lru,slru+second-hit "
+    p.add_argument("--policy", help="cache policies, comma separated, e.g. lru,slru+second-hit,"
+                                    "slru:protected=0.5 (parameters: NAME:KEY=VALUE, see expertcache policies) "
                                     "(default: 'default' if registered, else lru)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", help="total slots, comma separated (e.g. 256,512)")

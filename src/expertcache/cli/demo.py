@@ -1,4 +1,4 @@
-"""``expertcache demo``: what ``make demo`` runs, in about two minutes on two cores.
+"""``expertcache demo``: what ``make demo`` runs, in about three minutes on two cores.
 
 The live part runs real-size Qwen3-30B-A3B experts (9 MiB in bf16) on the first 4 MoE
 layers: at smaller expert sizes copies get cheap next to the fixed per-step cost and

@@ -32,12 +32,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..sim.expertsize import model_experts
+    from .paths import check_output
     from ..sim.hardware import load_hardware
     from ..sim.plan import default_trace, plan
     from ..sim.replay import resolve_policy
 
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise ValueError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+    check_output(args.json, "--json")
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for spec in policies:
         resolve_policy(spec)  # unknown names fail before any work

@@ -17,8 +17,8 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("trace", help="trace .npz, or synth:PRESET for a synthetic trace")
     p.add_argument("--policy", default="default",
-                   help="EVICTION[+ADMISSION][,...], e.g. lru,slru+second-hit,belady "
-                        "(default: the registry's default policy)")
+                   help="EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]][,...], e.g. "
+                        "lru,slru:protected=0.5+second-hit,belady (default: the registry's default policy)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", help="total slots, comma separated (e.g. 768,1536)")
     size.add_argument("--fraction", help="share of all L x E experts, in (0, 1] (e.g. 0.125,0.25)")

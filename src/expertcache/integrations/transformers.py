@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import CacheConfig
+from ..runtime.clock import ForwardClock
 from ..runtime.engine import ExpertCache
 from ..runtime.experts import IMPLEMENTATION, expertcache_experts_forward
 from ..runtime.host import HostExperts, check_layout
@@ -190,6 +191,8 @@ def _attach(model: torch.nn.Module, cache: ExpertCache) -> None:
     model.set_experts_implementation(IMPLEMENTATION)
     model.expertcache = cache
     model.register_forward_pre_hook(_phase_hook(cache), with_kwargs=True)
+    cache.model = model
+    ForwardClock.of(model)  # times every forward from now on: model.expertcache.report()
 
 
 def _phase_hook(cache: ExpertCache):

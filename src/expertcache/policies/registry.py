@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
+from typing import NamedTuple
 
 from .base import AdmissionPolicy, EvictionPolicy
 
@@ -137,3 +138,41 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if not eviction:
         raise ValueError(f"empty policy in {spec!r}; write EVICTION or EVICTION+ADMISSION, e.g. 'lru' or 'slru+second-hit'")
     return eviction, admission or "always"
+
+
+class PolicyParams(NamedTuple):
+    eviction: str
+    eviction_params: dict
+    admission: str
+    admission_params: dict
+
+
+def parse_policy(spec: str) -> PolicyParams:
+    """'slru:protected=0.5+window:size=64' -> names and validated parameters of both policies.
+
+    Each side is ``NAME[:KEY=VALUE[:KEY=VALUE...]]``; ':' (not ',') separates parameters because
+    sim and bench already take comma-separated lists of policies. Parameters are checked by
+    ``check_params`` (unknown names, types), so the CLI reports what the Python API reports.
+    """
+    sides = spec.strip().split("+")
+    if len(sides) > 2:
+        raise ValueError(f"policy {spec!r} has more than one '+'; write EVICTION[:k=v]+ADMISSION[:k=v]")
+    eviction, eviction_params = _named_params(sides[0], spec)
+    admission, admission_params = _named_params(sides[1] if len(sides) == 2 else "always", spec)
+    if not eviction:
+        raise ValueError(f"empty policy in {spec!r}; write EVICTION or EVICTION+ADMISSION, "
+                         "e.g. 'lru' or 'slru:protected=0.5+second-hit'")
+    return PolicyParams(eviction, check_params(eviction_class(eviction), eviction_params),
+                        admission, check_params(admission_class(admission), admission_params))
+
+
+def _named_params(side: str, spec: str) -> tuple[str, dict[str, str]]:
+    name, *pairs = side.strip().split(":")
+    params = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ValueError(f"bad policy parameter {pair!r} in {spec!r}; write NAME:KEY=VALUE, "
+                             "e.g. 'slru:protected=0.5'")
+        params[key.strip()] = value.strip()
+    return name.strip(), params

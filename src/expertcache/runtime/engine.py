@@ -41,6 +41,7 @@ class ExpertCache:
                              self.device, self.codec, self.slot_format, self._scratch(staging))
         self.h2d = [[0] * self.num_layers for _ in range(2)]  # [phase][layer] bytes
         self.phase: int | None = None  # set per forward by the model's pre-hook
+        self.model = None  # set by offload(): report() reads the model's forward clock
         if config.baseline == "resident":
             self._preload_all()
         elif counts is not None:
@@ -147,6 +148,15 @@ class ExpertCache:
     def reset_stats(self) -> None:
         self.table.reset_stats()
         self.h2d = [[0] * self.num_layers for _ in range(2)]
+
+    def report(self):
+        """The latest generation's prefill and cold / warm / steady decode speeds, hit rates and
+        H2D bytes per token (what ``expertcache generate`` prints); prints as a table."""
+        from .generate import report
+
+        if self.model is None:
+            raise ValueError("this cache is not attached to a model (use expertcache.offload)")
+        return report(self.model)
 
     @property
     def host_mode(self) -> tuple[str, str]:

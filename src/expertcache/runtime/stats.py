@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..stats import DECODE, FIELDS, PREFILL, Stats, phase_code
+from ..sizes import format_size
+from ..stats import DECODE, FIELDS, PREFILL, Stats, format_table, phase_code
 
 
 class LiveStats(Stats):
@@ -21,6 +22,24 @@ class LiveStats(Stats):
         phases = (PREFILL, DECODE) if phase is None else (phase_code(phase),)
         layers = range(self.num_layers) if layer is None else (layer,)
         return sum(self._h2d[p][l] for p in phases for l in layers)
+
+    def since(self, earlier: LiveStats) -> LiveStats:
+        """Counters and bytes added after ``earlier`` (e.g. one request's share)."""
+        h2d = [[now - before for now, before in zip(a, b)] for a, b in zip(self._h2d, earlier._h2d)]
+        return LiveStats(super().since(earlier), h2d, self.pool)
+
+    def __str__(self) -> str:
+        h2d = [format_size(self.h2d_bytes(p)) for p in (PREFILL, DECODE, None)]
+        table = format_table(self.rows(), f"{self.num_layers} MoE layers; .layer(i, phase) for one layer, "
+                                          ".to_dict() for JSON", {"H2D": h2d})
+        if not self.pool:
+            return table
+        p = self.pool
+        return (f"{table}\nslots: {p['slot_format']}, {format_size(p['bytes_per_slot'])} each, "
+                f"{format_size(p['bytes_per_load'])} per load; host experts: {p['host_memory']} "
+                f"({p['host_memory_reason']})")
+
+    __repr__ = __str__
 
     def to_dict(self) -> dict:
         out = super().to_dict()

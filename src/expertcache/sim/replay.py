@@ -24,7 +24,7 @@ import numpy as np
 
 from ..cache import PARTITIONS, SlotTable
 from ..policies.belady import Future
-from ..policies.registry import eviction_policies, parse_spec
+from ..policies.registry import eviction_policies, parse_policy
 from ..stats import Counts, Stats
 from ..trace.format import Trace
 
@@ -69,31 +69,37 @@ class ReplayResult:
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A parsed ``EVICTION[+ADMISSION]`` with the label to show for it."""
+    """A parsed ``EVICTION[:k=v][+ADMISSION[:k=v]]`` with the label to show for it."""
 
     eviction: str
     admission: str
     label: str
+    eviction_params: tuple = ()   # (name, value) pairs as given on the command line
+    admission_params: tuple = ()
+
+    def params(self, eviction_params: dict | None, admission_params: dict | None) -> tuple[dict, dict]:
+        """Explicit parameters win over the spec's own."""
+        return (dict(self.eviction_params) if eviction_params is None else eviction_params,
+                dict(self.admission_params) if admission_params is None else admission_params)
 
 
 def resolve_policy(spec: str) -> PolicySpec:
-    """Parse a spec and check both names are registered (ValueError lists the known ones).
+    """Parse a spec, check both names are registered and their parameters (ValueErrors with
+    the Python API's messages).
 
     ``default`` means the registry's ``default`` policy when one is registered,
     else ``lru``; the label then says which ran.
     """
-    from ..policies.registry import admission_class, eviction_class
-
-    eviction, admission = parse_spec(spec)
     label = spec.strip()
-    if eviction == "default" and "default" not in eviction_policies():
-        eviction = "lru"
+    fallback = label.split("+")[0].split(":")[0].strip() == "default" and "default" not in eviction_policies()
+    p = parse_policy(label.replace("default", "lru", 1) if fallback else label)
+    if fallback:
         label = label.replace("default", "default (lru)", 1)
-    cls = eviction_class(eviction)
-    if eviction == "default":
-        label = label.replace("default", f"default ({_aliased(cls)})", 1)
-    admission_class(admission)
-    return PolicySpec(eviction, admission, label)
+    elif p.eviction == "default":
+        from ..policies.registry import eviction_class
+        label = label.replace("default", f"default ({_aliased(eviction_class('default'))})", 1)
+    return PolicySpec(p.eviction, p.admission, label, tuple(p.eviction_params.items()),
+                      tuple(p.admission_params.items()))
 
 
 def _aliased(cls) -> str:
@@ -122,6 +128,7 @@ def check_table(trace: Trace, spec: PolicySpec, slots: int, partition: str,
     """Build the table once: it validates slots, partition, top-k and parameters."""
     if partition not in PARTITIONS:
         raise ValueError(f"unknown partition {partition!r}; use one of {', '.join(PARTITIONS)}")
+    eviction_params, admission_params = spec.params(eviction_params, admission_params)
     return SlotTable(trace.num_layers, trace.num_experts, slots, eviction=spec.eviction,
                      admission=spec.admission, partition=partition, top_k=trace.top_k,
                      pinned=pinned, eviction_params=eviction_params,
@@ -257,6 +264,7 @@ def fast_counts(prep: Prepared, spec: PolicySpec, slots: int, partition: str,
     parts = 1 if partition == "global" else prep.L
     cap = per_partition(slots, partition, prep.L)
     name = f"{spec.eviction}-kernel"
+    eviction_params, admission_params = spec.params(eviction_params, admission_params)
     args = (prep.keys, prep.phases, prep.L, prep.E, parts, cap)
     ev = check_params(eviction_class(spec.eviction), eviction_params or {})
     if spec.eviction == "belady":

@@ -1,0 +1,67 @@
+"""Options that ``generate`` and ``serve`` share: the cache settings and the sampling flags."""
+
+from __future__ import annotations
+
+POLICY_HELP = ("EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]], e.g. default, lru, "
+               "slru:protected=0.5+second-hit, lru+window:n=3:w=32 (parameters: expertcache policies)")
+
+
+def add_cache_options(p) -> None:
+    from ..cache import PARTITIONS
+    from ..config import BASELINES, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, SLOT_FORMATS
+
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--slots", type=int, help="experts the device pool caches (all layers)")
+    size.add_argument("--gpu-memory", metavar="SIZE", help="device memory for the pool, e.g. 8GiB")
+    p.add_argument("--policy", default="default", metavar="POLICY", help=POLICY_HELP)
+    p.add_argument("--partition", default="global", choices=PARTITIONS)
+    p.add_argument("--miss", default="fetch", choices=MISS_PATHS)
+    p.add_argument("--baseline", choices=BASELINES)
+    p.add_argument("--staging", type=int, help="extra slots that stream bypassed experts (default top-k)")
+    p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=DTYPES)
+    p.add_argument("--slot-format", default="auto", choices=SLOT_FORMATS,
+                   help="quantized experts: slots hold the quantized bytes (dequantized per use) or the "
+                        "compute dtype (dequantized once per load); auto: quantized on a GPU, "
+                        "dequantized on the CPU (docs/quantized.md)")
+    p.add_argument("--host-memory", default="auto", choices=HOST_MEMORY,
+                   help="quantized experts on the host: a copy in RAM (pinned with CUDA), the "
+                        "memory-mapped file, or auto (a pinned copy when it fits, else the file)")
+    p.add_argument("--hardware", help="cost-model profile for --miss auto: a preset (pcie4-consumer, "
+                   "pcie5-consumer, h200) or a JSON file from 'expertcache probe'")
+    p.add_argument("--imatrix", metavar="FILE", help="imatrix .gguf (or trace / counts file) whose hot "
+                   "experts are placed before the first token (docs/imatrix.md)")
+    p.add_argument("--imatrix-mode", default="pin", choices=IMATRIX_MODES,
+                   help="pin: never evicted, at most half the cache; seed: preloaded, evictable")
+
+
+def cache_config(args):
+    """The CacheConfig the cache options describe (policy parameters validated here)."""
+    from ..config import CacheConfig
+    from ..policies.registry import parse_policy
+
+    policy = parse_policy(args.policy)
+    return CacheConfig(slots=args.slots, gpu_memory=args.gpu_memory, eviction=policy.eviction,
+                       eviction_params=policy.eviction_params, admission=policy.admission,
+                       admission_params=policy.admission_params, partition=args.partition,
+                       miss=args.miss, baseline=args.baseline, staging=args.staging,
+                       device=args.device, dtype=args.dtype, imatrix=args.imatrix,
+                       imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
+                       host_memory=args.host_memory, hardware=args.hardware)
+
+
+def add_sampling_options(p, temperature: float) -> None:
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 is greedy (default {temperature:g})")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: off)")
+    p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeatable)")
+
+
+def sampling(args):
+    from ..runtime.sampling import Sampling
+
+    return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                    stop=tuple(args.stop))
