@@ -77,7 +77,8 @@ def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = 
 def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "Q8_0", seed: int = 0,
                layers: int = LAYERS, down_type: str | None = None, tokenizer: bool = True,
                experts: int = EXPERTS, split_max_tensors: int = 0) -> Path:
-    """Write a tiny ``family`` model as GGUF with experts in ``expert_type`` (down in ``down_type``).
+    """Write a tiny ``family`` model as GGUF with experts in ``expert_type`` (down in ``down_type``,
+    or per layer when it is a list: llama.cpp's Q4_K_M mixes Q6_K and Q4_K down projections).
 
     ``split_max_tensors`` > 0 writes a split model (``path`` gets ``-0000N-of-0000M``) and
     returns its first part.
@@ -107,7 +108,8 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
     for layer in range(cfg.num_hidden_layers):
         parts, biases = expert_parts(model.model.layers[layer].mlp.experts)
         for kind, data in parts.items():
-            qtype = down_type if (kind == "down" and down_type) else expert_type
+            down = down_type[layer] if isinstance(down_type, (list, tuple)) else down_type
+            qtype = down if (kind == "down" and down) else expert_type
             _add_expert_tensor(writer, f"blk.{layer}.ffn_{kind}_exps.weight", data, qtype, rng)
         for kind, data in biases.items():
             writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.bias", data)

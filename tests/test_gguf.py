@@ -81,6 +81,27 @@ def test_quantized_bytes_cross_and_fill_slots(tmp_path):
     assert stats.h2d_bytes() == stats.total().misses * expected  # fetch: every miss moves its stored bytes
 
 
+@pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
+def test_layers_with_different_types_like_q4_k_m(tmp_path, slot_format):
+    """Q4_K_M stores ffn_down_exps in Q6_K in some layers and Q4_K in others: slots fit the largest,
+    each load moves its own layer's bytes, outputs equal transformers'."""
+    path = write_gguf(tmp_path / "q4km.gguf", "qwen3_moe", "Q4_K", down_type=["Q6_K", "Q4_K"])
+    header = read_header(path)
+    sizes = [header.layer_expert_bytes(b) for b in header.moe_blocks]
+    assert sizes[0] > sizes[1] and header.expert_bytes == sizes[0]
+    assert header.quant_types["down.weight"] == "Q4_K/Q6_K"
+    ref = reference(path)
+    model = expertcache.offload(path, slots=6, slot_format=slot_format)
+    with torch.no_grad():
+        assert (model(PROMPT).logits - ref(PROMPT).logits).abs().max().item() <= 1e-4
+        want = ref.generate(PROMPT, max_new_tokens=8, do_sample=False)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=8, do_sample=False), want)
+    stats = model.expertcache.stats()
+    assert stats.h2d_bytes() == sum(stats.layer(l, p).misses * sizes[l] for l in (0, 1) for p in ("prefill", "decode"))
+    if slot_format == "quantized":
+        assert model.expertcache.pool.slot_bytes == 8 * sizes[0]
+
+
 def test_budget_counts_the_slot_format(tmp_path):
     path = write_gguf(tmp_path / "q4.gguf", "qwen3_moe", "Q4_0", experts=32)
     budget = 16 * 2 ** 20

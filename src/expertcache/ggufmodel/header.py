@@ -75,10 +75,21 @@ class GgufModel:
         """One expert's intermediate size, from the shapes (the metadata key is not always read)."""
         return self.first_layer["down.weight"].shape[2]
 
+    def layer_expert_bytes(self, block: int) -> int:
+        """Stored bytes of one expert of ``block``, every part (weights and biases)."""
+        return sum(t.nbytes // t.shape[0] for t in self.experts[block].values())
+
     @property
     def expert_bytes(self) -> int:
-        """Stored bytes of one expert, every part (weights and biases)."""
-        return sum(t.nbytes // t.shape[0] for t in self.first_layer.values())
+        """Stored bytes of the largest layer's expert: what a quantized slot must hold.
+
+        llama.cpp's Q4_K_M mixes types by layer (ffn_down_exps in Q6_K in half the layers,
+        Q4_K in the rest), so experts of different layers differ in size."""
+        return max(self.layer_expert_bytes(b) for b in self.experts)
+
+    @property
+    def mean_expert_bytes(self) -> float:
+        return sum(self.layer_expert_bytes(b) for b in self.experts) / len(self.experts)
 
     @property
     def expert_params(self) -> int:
@@ -92,13 +103,14 @@ class GgufModel:
 
     @property
     def quant_types(self) -> dict[str, str]:
-        """Part -> quant type name of the expert weights, e.g. {'gate.weight': 'Q4_K', ...}."""
-        return {part: t.fmt.name for part, t in self.first_layer.items()}
+        """Part -> quant type names over all layers, e.g. {'gate.weight': 'Q4_K', 'down.weight': 'Q4_K/Q6_K'}."""
+        return {part: "/".join(sorted({layer[part].fmt.name for layer in self.experts.values()}))
+                for part in self.first_layer}
 
     @property
     def experts_bytes(self) -> int:
         """All routed experts of the model: what the host tier holds."""
-        return self.expert_bytes * self.num_experts * len(self.experts)
+        return sum(self.layer_expert_bytes(b) for b in self.experts) * self.num_experts
 
 
 def read_header(path: str | Path) -> GgufModel:
@@ -195,10 +207,10 @@ def _check_model(path: Path, arch, metadata: dict, experts: dict) -> None:
     if not has_gate or "down.weight" not in first:
         raise ValueError(f"{path.name}: expert tensors of block {min(experts)} are incomplete "
                          f"({', '.join(sorted(first))}); expected gate, up (or gate_up) and down")
-    for block, parts in experts.items():
-        if {k: (v.shape, v.fmt) for k, v in parts.items()} != {k: (v.shape, v.fmt) for k, v in first.items()}:
-            raise ValueError(f"{path.name}: block {block}'s experts differ in shape or type from block "
-                             f"{min(experts)}'s; one slot pool needs the same expert layout in every layer")
+    for block, parts in experts.items():  # types may differ by layer (Q4_K_M), shapes may not
+        if {k: v.shape for k, v in parts.items()} != {k: v.shape for k, v in first.items()}:
+            raise ValueError(f"{path.name}: block {block}'s experts differ in shape from block "
+                             f"{min(experts)}'s; one slot pool needs the same expert shapes in every layer")
         for part, ref in parts.items():
             check_supported(ref.fmt, ref.name)
     if f"{arch}.expert_used_count" not in metadata:

@@ -51,9 +51,9 @@ def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
     if len(found) != len(header.moe_blocks):
         raise ValueError(f"{header.paths[0].name}: the model has {len(found)} MoE layers but the file "
                          f"has experts in {len(header.moe_blocks)} blocks")
-    codec = expert_codec(header, dtype)
     mode, reason = host_mode(config.host_memory, header, device)
-    hosts = [QuantExperts(_part_tensors(header.experts[block], mode), codec, mode, reason)
+    hosts = [QuantExperts(_part_tensors(header.experts[block], mode),
+                          expert_codec(header.experts[block], header.arch, dtype), mode, reason)
              for block in header.moe_blocks]
     for _, module in found:  # the empty (meta) expert parameters: the cache serves them
         for name, _ in list(module.named_parameters(recurse=False)):
@@ -61,11 +61,11 @@ def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
     return model.eval(), found, hosts, header
 
 
-def expert_codec(header: GgufModel, dtype: torch.dtype) -> Codec:
-    """How one expert's GGUF tensors become gate_up_proj / down_proj (and biases)."""
-    first = header.first_layer
+def expert_codec(layer: dict[str, TensorRef], arch: str, dtype: torch.dtype) -> Codec:
+    """How one layer's expert tensors become gate_up_proj / down_proj (and biases)."""
+    first = layer
     parts = tuple(Part(name, ref.fmt, ref.shape[1:]) for name, ref in sorted(first.items()))
-    join = "interleave" if header.arch in _INTERLEAVED else "concat"
+    join = "interleave" if arch in _INTERLEAVED else "concat"
     kinds = []
     for suffix, proj in (("weight", "gate_up_proj"), ("bias", "gate_up_proj_bias")):
         if f"gate_up.{suffix}" in first:

@@ -168,8 +168,8 @@ def find_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _check_uniform(hosts: list[HostExperts], found) -> None:
-    def layout(host):
-        return host.layout() if host.codec is None else host.codec
+    def layout(host):  # quantized layers may store types that differ, but compute the same weights
+        return host.layout() if host.codec is None else host.codec.compute_layout()
     first = layout(hosts[0])
     for host, (name, _) in zip(hosts, found):
         if layout(host) != first:

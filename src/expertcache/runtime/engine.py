@@ -27,7 +27,8 @@ class ExpertCache:
         run = config.effective()  # baselines resolved into plain settings
         self.hosts, self.top_k, self.device = hosts, top_k, torch.device(device)
         self.num_layers, self.num_experts = len(hosts), hosts[0].num_experts
-        self.expert_bytes = hosts[0].expert_bytes  # bytes one load moves (quantized: the stored bytes)
+        # bytes one load moves (quantized: the stored bytes; the largest layer's if types differ)
+        self.expert_bytes = max(host.expert_bytes for host in hosts)
         self.codec = hosts[0].codec
         self.slot_format = _slot_format(config.slot_format, self.codec, self.device)
         self.miss, self.hardware = run.miss, hardware or PRESETS[DEFAULT]
@@ -37,8 +38,9 @@ class ExpertCache:
                                admission=run.admission, partition=run.partition, top_k=top_k,
                                eviction_params=run.eviction_params,
                                admission_params=run.admission_params)
-        self.pool = SlotPool(hosts[0].layout() if self.codec is None else {}, pool_slots, staging,
-                             self.device, self.codec, self.slot_format, self._scratch(staging))
+        self.pool = SlotPool(hosts[0].layout() if self.codec is None else {}, pool_slots, staging, self.device,
+                             None if self.codec is None else [h.codec for h in hosts], self.slot_format,
+                             self._scratch(staging))
         self.h2d = [[0] * self.num_layers for _ in range(2)]  # [phase][layer] bytes
         self.phase: int | None = None  # set per forward by the model's pre-hook
         self.model = None  # set by offload(): report() reads the model's forward clock
@@ -170,7 +172,8 @@ class ExpertCache:
                 "slot_bytes": self.slot_bytes, "expert_bytes": self.expert_bytes,
                 "slot_format": self.slot_format, "scratch_bytes": self.pool.scratch_bytes,
                 "bytes_per_slot": self.cost.slot_bytes(self.slot_format),
-                "quant": None if self.codec is None else sorted({p.fmt.name for p in self.codec.parts}),
+                "quant": None if self.codec is None else sorted({p.fmt.name for h in self.hosts
+                                                                 for p in h.codec.parts}),
                 "host_memory": mode, "host_memory_reason": reason,
                 "device": str(self.device), "config": self.config.to_dict()}
 

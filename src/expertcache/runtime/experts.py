@@ -92,7 +92,7 @@ def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weigh
         if not mapping:
             continue
         pool.ready(mapping.values())  # compute waits for copies into the slots it reads
-        weights, rows = pool.view(mapping)
+        weights, rows = pool.view(mapping, host)
         size = next(iter(weights.values())).shape[0]
         slot_idx = _slot_index(rows, cache.num_experts, size, top_k_index)
         # (row, pairs routed to it) in row order, from the host copy of the routing: no sync

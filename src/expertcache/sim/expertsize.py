@@ -33,7 +33,10 @@ class ModelExperts:
 
 def model_experts(model: str, quant: str | None = None, dense_bytes: int = 0,
                   compute_dtype: str = "bfloat16") -> ModelExperts:
-    """``model``: a preset name or a .gguf path; ``quant``: a ggml type for a preset's experts."""
+    """``model``: a preset name or a .gguf path; ``quant``: a ggml type for a preset's experts.
+
+    A GGUF whose layers store different types (llama.cpp's Q4_K_M) is sized by its largest
+    layer's expert, as the runtime sizes its quantized slots."""
     if compute_dtype not in COMPUTE_BYTES:
         raise ValueError(f"unknown compute dtype {compute_dtype!r}; use one of {', '.join(COMPUTE_BYTES)}")
     width = COMPUTE_BYTES[compute_dtype]
@@ -60,5 +63,6 @@ def _from_gguf(path: str, dense_bytes: int, width: int) -> ModelExperts:
     header = read_header(path)
     params = header.expert_params
     cost = ExpertCost(header.expert_bytes, 2.0 * params, dense_bytes, compute_bytes=params * width)
-    types = "/".join(dict.fromkeys(t for p, t in header.quant_types.items() if p.endswith("weight")))
+    types = "/".join(sorted({t for part, names in header.quant_types.items() if part.endswith("weight")
+                             for t in names.split("/")}))
     return ModelExperts(Path(path).name, len(header.moe_blocks), header.num_experts, header.top_k, cost, types)
