@@ -222,7 +222,7 @@ def test_unsupported_expert_layouts(reference, tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with _error("MXFP4-packed"):
+    with _error("_blocks / _scales missing"):  # MXFP4 checkpoints load (tests/test_hf_quant.py); float experts do not
         offload(tmp_path, slots=4)
 
 

@@ -20,7 +20,8 @@ from ..runtime.experts import IMPLEMENTATION, expertcache_experts_forward
 from ..runtime.host import HostExperts, check_layout
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_UNSUPPORTED_QUANT = {"fp8": "FP8", "fbgemm_fp8": "FP8", "finegrained_fp8": "FP8", "mxfp4": "MXFP4-packed"}
+# quantized experts the codec cannot read (block FP8 and MXFP4 load: integrations/hf_quant.py)
+_UNSUPPORTED_QUANT = {"fbgemm_fp8": "per-channel FP8 (fbgemm_fp8)"}
 
 
 def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | None = None,
@@ -53,6 +54,9 @@ def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | 
         from ..ggufmodel.load import is_gguf
         if is_gguf(Path(model_or_path)):
             return _offload_gguf(Path(model_or_path), config)
+        from .hf_quant import QUANT_METHODS, quant_method
+        if quant_method(Path(model_or_path)) in QUANT_METHODS:
+            return _offload_hf_quant(Path(model_or_path), config)
     model = load_checkpoint(model_or_path, config.dtype) if isinstance(model_or_path, (str, Path)) \
         else model_or_path
     if not isinstance(model, torch.nn.Module):
@@ -80,6 +84,15 @@ def _offload_gguf(path: Path, config: CacheConfig) -> torch.nn.Module:
     from ..ggufmodel.load import load_gguf
 
     model, found, hosts, _ = load_gguf(path, config, _device(config.device))
+    return attach(model, found, hosts, config, _imatrix_counts(config, found))
+
+
+def _offload_hf_quant(path: Path, config: CacheConfig) -> torch.nn.Module:
+    """An HF checkpoint with MXFP4 or block-FP8 experts: they stay quantized in the host tier."""
+    from .hf_quant import load_hf_quantized
+
+    check_checkpoint_dir(path)
+    model, found, hosts = load_hf_quantized(path, config, _device(config.device))
     return attach(model, found, hosts, config, _imatrix_counts(config, found))
 
 
@@ -227,7 +240,8 @@ def check_checkpoint_dir(path: Path) -> None:
     quant = (cfg.get("quantization_config") or {}).get("quant_method")
     if quant in _UNSUPPORTED_QUANT:
         raise ValueError(f"{path}: {_UNSUPPORTED_QUANT[quant]} experts (quantization_config "
-                         f"quant_method={quant!r}) are not supported; use a bf16/fp16/fp32 checkpoint")
+                         f"quant_method={quant!r}) are not supported; use a bf16/fp16/fp32, block-FP8 "
+                         "(quant_method 'fp8') or GPT-OSS MXFP4 checkpoint, or a GGUF file")
     _check_weight_files(path)
 
 

@@ -27,20 +27,25 @@ def check_layout(module: torch.nn.Module, where: str) -> None:
     """Refuse expert layouts the slot pool cannot copy slab by slab; say which layout it is."""
     names = [n for n, _ in module.named_parameters(recurse=False)] + \
             [n for n, _ in module.named_buffers(recurse=False)]
+    # quantized experts are read from the checkpoint, not taken from a loaded model (whose
+    # kernels may have swizzled them): integrations/hf_quant.py
     if any(n.endswith(("_scale_inv", "weight_scale")) for n in names):
-        raise ValueError(f"{where}: FP8 block-quantised experts ({', '.join(sorted(names))}) are not "
-                         "supported; load the model in bf16/fp16/fp32 (dtype=...) instead")
+        raise ValueError(f"{where}: FP8-quantised experts ({', '.join(sorted(names))}) cannot be taken from a "
+                         "loaded model; pass the checkpoint directory to offload() (block FP8 stays quantized "
+                         "in host memory) or load the model in bf16/fp16/fp32 (dtype=...)")
     if any(n.endswith(("_blocks", "_scales")) for n in names):
-        raise ValueError(f"{where}: MXFP4-packed experts ({', '.join(sorted(names))}) are not supported; "
-                         "load the checkpoint dequantized (e.g. Mxfp4Config(dequantize=True)) in bf16")
+        raise ValueError(f"{where}: MXFP4-packed experts ({', '.join(sorted(names))}) cannot be taken from a "
+                         "loaded model; pass the checkpoint directory to offload() (its MXFP4 experts stay "
+                         "quantized in host memory)")
     for kind in expert_kinds(module):
         tensor = getattr(module, kind, None)
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{where}: experts module {type(module).__name__} has no {kind!r} tensor; "
                              f"supported layouts hold fused {', '.join(expert_kinds(module))} [experts, ...]")
         if tensor.dtype in _FP8 or "float8" in str(tensor.dtype):
-            raise ValueError(f"{where}: FP8 experts ({kind} is {tensor.dtype}) are not supported; "
-                             "load the model in bf16/fp16/fp32 (dtype=...) instead")
+            raise ValueError(f"{where}: FP8 experts ({kind} is {tensor.dtype}) cannot be taken from a loaded "
+                             "model; pass the checkpoint directory to offload() (block FP8 stays quantized in "
+                             "host memory) or load the model in bf16/fp16/fp32 (dtype=...)")
         if tensor.dtype not in _FLOATS:
             raise ValueError(f"{where}: experts stored as {tensor.dtype} ({kind}) are not supported; "
                              "only float32, float16 and bfloat16 experts can be cached")

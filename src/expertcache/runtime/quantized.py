@@ -8,22 +8,29 @@ bytes of one tensor are one contiguous slice. A *part* is one such tensor; a
 module computes with (``gate_up_proj [2I, H]``, ``down_proj [H, I]``, biases), always
 ``[out, in]``. The slot pool copies parts as bytes; dequantization happens on the
 device (``quant.dequant``: torch, equal to gguf-py bit for bit).
+
+HF-native checkpoints use the same classes (``integrations/hf_quant.py``): GPT-OSS's
+MXFP4 experts repacked into ggml MXFP4 parts, block-FP8 experts as raw float8 parts,
+each with a float32 scale part, joined by ``'fp8'`` (``quant.hf.fp8_block``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..quant.dequant import dequantize
 from ..quant.formats import QuantFormat
+from ..quant.hf import FP8_E4M3, fp8_block
 
 # How a compute kind is built from its parts, stacked on dim 1 of [n, rows, ...]:
 # 'one' takes a single part, 'concat' puts gate rows before up rows (Qwen, HF's
 # gate_up_proj), 'interleave' alternates them row by row (GPT-OSS's _apply_gate
-# reads gate from even and up from odd outputs).
-JOINS = ("one", "concat", "interleave")
+# reads gate from even and up from odd outputs), 'fp8' takes (weight, scale) pairs of
+# parts, dequantizes each by ``Kind.block`` tiles and puts their rows one after another.
+JOINS = ("one", "concat", "interleave", "fp8")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,12 @@ class Kind:
     name: str
     join: str
     parts: tuple[str, ...]
+    block: tuple[int, int] | None = None  # 'fp8': rows x cols of one scale tile
+
+    @property
+    def weights(self) -> tuple[str, ...]:
+        """The parts whose rows make up this weight ('fp8': every other part is a scale)."""
+        return self.parts[::2] if self.join == "fp8" else self.parts
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,11 @@ class Codec:
         for kind in self.kinds:
             if kind.join not in JOINS or not set(kind.parts) <= names:
                 raise ValueError(f"bad codec kind {kind}")
+            fp8 = kind.join == "fp8"
+            if fp8 != (kind.block is not None) or (fp8 and (len(kind.parts) % 2 or any(
+                    self.part[w].fmt != FP8_E4M3 for w in kind.weights))):
+                raise ValueError(f"bad codec kind {kind}: 'fp8' takes ({FP8_E4M3.name} weight, scale) "
+                                 "pairs and a block")
 
     @property
     def part(self) -> dict[str, Part]:
@@ -80,7 +98,8 @@ class Codec:
 
     @property
     def params(self) -> int:
-        return sum(p.elements for p in self.parts)
+        """Elements of one expert's compute weights (scale parts are not parameters)."""
+        return sum(math.prod(shape) for shape, _ in self.compute_layout().values())
 
     @property
     def compute_bytes(self) -> int:
@@ -96,19 +115,34 @@ class Codec:
         part = self.part
         out = {}
         for kind in self.kinds:
-            first = part[kind.parts[0]].shape
-            rows = sum(part[p].shape[0] for p in kind.parts)
+            first = part[kind.weights[0]].shape
+            rows = sum(part[p].shape[0] for p in kind.weights)
             out[kind.name] = ((rows, *first[1:]), self.dtype)
         return out
 
     def decode(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Compute weights of n experts from their parts' bytes ``data[part]`` [n, nbytes]."""
         part = self.part
-        weights = {}
-        for name, raw in data.items():  # n experts, each a part of shape (rows, cols) or (cols,)
-            n = raw.shape[0]
-            weights[name] = dequantize(raw, part[name].fmt, (n, *part[name].shape), self.dtype)
-        return {kind.name: _join(kind, [weights[p] for p in kind.parts]) for kind in self.kinds}
+
+        def floats(name: str, dtype: torch.dtype) -> torch.Tensor:  # n experts, shape (rows, cols) or (cols,)
+            return dequantize(data[name], part[name].fmt, (data[name].shape[0], *part[name].shape), dtype)
+
+        out = {}
+        for kind in self.kinds:
+            if kind.join == "fp8":  # rows of each (weight, scale) pair, one after another
+                pairs = [_fp8(data[w], part[w], floats(s, torch.float32), kind.block, self.dtype)
+                         for w, s in zip(kind.parts[::2], kind.parts[1::2])]
+                out[kind.name] = pairs[0] if len(pairs) == 1 else torch.cat(pairs, dim=1)
+            else:
+                out[kind.name] = _join(kind, [floats(p, self.dtype) for p in kind.parts])
+        return out
+
+
+def _fp8(raw: torch.Tensor, part: Part, scale: torch.Tensor, block: tuple[int, int],
+         dtype: torch.dtype) -> torch.Tensor:
+    """n experts' raw float8 bytes [n, rows * cols] times their tile scales -> [n, rows, cols]."""
+    weight = raw.view(torch.float8_e4m3fn).reshape(raw.shape[0], *part.shape)
+    return fp8_block(weight, scale, block, dtype)
 
 
 def _join(kind: Kind, tensors: list[torch.Tensor]) -> torch.Tensor:
