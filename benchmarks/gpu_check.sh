@@ -2,7 +2,7 @@
 # One check for a session that has the GPU machine (under 8 minutes):
 #   1. the CUDA tests (pytest -m gpu): pinned memory, copy stream + events, fixed slot
 #      addresses, one device->host sync per MoE layer step, exact logits on CUDA; the torch
-#      dequantizers bit for bit on CUDA and GGUF models in both slot formats (when present);
+#      dequantizers bit for bit on CUDA, GGUF and HF MXFP4 / FP8 models in both slot formats;
 #   2. pinned vs pageable host->device bandwidth;
 #   3. decode at real expert sizes (Qwen3-30B-A3B experts: hidden 2048, FF 768, 128 experts,
 #      top-8, bf16; 4 MoE layers to stay in time): resident / copy-every-pass / cpu baselines
@@ -33,8 +33,8 @@ if [ "$DRY" != 1 ] && ! "$PY" -c "import torch; assert torch.cuda.is_available()
 fi
 export GPU_CHECK_DRY=$DRY
 
-GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py)
-for t in tests/test_dequant_gpu.py tests/test_gguf_gpu.py; do [ -f "$t" ] && GPU_TESTS+=("$t"); done
+GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py tests/test_dequant_gpu.py tests/test_gguf_gpu.py
+           tests/test_hf_quant_gpu.py)
 timeout 180 "$PY" -m pytest -m gpu "${GPU_TESTS[@]}" -q -rs -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
 echo $? > "$OUT/pytest.rc"
 
