@@ -257,7 +257,8 @@ def predict(case: Case, run, codec: Codec, shape_q, shape_b, hw, staging, hw_q) 
     fmt = case.slot_format if case.slot_format != "plain" else "dequantized"
     kind = case.strategy.kind
     if kind == "copy-every-pass":
-        t = token_time(0, L * k, cost, replace(staging, cpu_dequant_gelems=hw_q.cpu_dequant_gelems),
+        t = token_time(0, L * k, cost, replace(staging, cpu_dequant_gelems=hw_q.cpu_dequant_gelems,
+                                                device_dequant_gelems=hw_q.device_dequant_gelems),
                        layers=L, miss_path="fetch", slot_format=fmt)
     elif kind == "cpu":
         t = token_time(0, L * k, cost, hw_q, layers=L, miss_path="cpu", slot_format=fmt)
@@ -462,7 +463,9 @@ def main(argv=None) -> int:
         t0 = clock()
         for e in range(n):
             host.expert(e % E)
-        hw_q = replace(hw, cpu_dequant_gelems=n * codec.params / (clock() - t0) / 1e9)
+        rate = n * codec.params / (clock() - t0) / 1e9
+        # on a CPU "device" the slot pool dequantizes with the same code and core as the host
+        hw_q = replace(hw, cpu_dequant_gelems=rate, device_dequant_gelems=rate if dev.type == "cpu" else None)
 
     todo = cases(policies, budget, args.partition)
     hosts = {"bf16": hosts_b, "Q4_K": hosts_q}
@@ -533,7 +536,8 @@ def main(argv=None) -> int:
            "cost_model": None if hw is None else {
                "h2d_gbps": hw.h2d_gbps, "staging_h2d_gbps": staging.h2d_gbps, "gpu_mem_gbps": hw.gpu_mem_gbps,
                "cpu_mem_gbps": hw.cpu_mem_gbps, "layer_overhead_s": hw.layer_overhead_s,
-               "cpu_dequant_gelems": hw_q.cpu_dequant_gelems},
+               "cpu_dequant_gelems": hw_q.cpu_dequant_gelems,
+               "device_dequant_gelems": hw_q.device_dequant_gelems},
            "phases": "steady: decode tokens N/4 to N-1", "results": rows, "checks": checks,
            "seconds": time.time() - started, "cpu_seconds": time.process_time()}
     if args.json:

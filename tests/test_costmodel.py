@@ -92,3 +92,21 @@ def test_expert_cost_from_meta_argument_or_preset():
     assert qwen.expert_bytes == 3 * 2048 * 768 * 2 and qwen.expert_flops == 2 * 3 * 2048 * 768
     with pytest.raises(ValueError, match="layers x"):
         expert_cost(trace, model="mixtral-8x7b")
+
+
+def test_quantized_experts_pay_dequantization_where_the_format_says():
+    from expertcache.sim.costmodel import ExpertCost, Hardware, miss_times
+
+    params = 3 * 2048 * 768
+    q4k = ExpertCost(3 * 768 * 2048 // 256 * 144, 2.0 * params, compute_bytes=2 * params)
+    gpu = Hardware("g", h2d_gbps=25, gpu_mem_gbps=1000, cpu_mem_gbps=50, cpu_gflops=500, transfer_latency_s=0)
+    per_load, per_use = miss_times(q4k, gpu, "dequantized"), miss_times(q4k, gpu, "quantized")
+    deq = (q4k.expert_bytes + q4k.compute_bytes) / 1e12  # memory bound on a GPU
+    assert per_use["hit"] == pytest.approx(per_load["hit"] + deq)
+    assert per_use["fetch"] == pytest.approx(per_load["fetch"])  # paid once either way on a miss
+    assert q4k.slot_bytes("quantized") * 3 < q4k.slot_bytes("dequantized")
+    # a CPU standing in for the device: dequantization at its measured rate, not memory speed
+    cpu_device = Hardware("c", h2d_gbps=25, gpu_mem_gbps=1000, cpu_mem_gbps=50, cpu_gflops=500,
+                          transfer_latency_s=0, device_dequant_gelems=0.5)
+    slow = miss_times(q4k, cpu_device, "quantized")
+    assert slow["hit"] == pytest.approx(per_load["hit"] + params / 0.5e9)

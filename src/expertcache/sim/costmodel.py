@@ -10,7 +10,8 @@
 
 Quantized experts (``compute_bytes`` > ``expert_bytes``: the dequantized expert is
 larger than what is stored and moved) add a dequantization, memory bound on the
-device, ``t_deq = (expert_bytes + compute_bytes) / gpu_mem``: once per load with
+device, ``t_deq = (expert_bytes + compute_bytes) / gpu_mem`` (or ``params /
+device_dequant`` where that rate is measured, e.g. a CPU standing in for the device): once per load with
 ``dequantized`` slots (in t_fetch), once per use with ``quantized`` slots (in t_hit);
 on the host ``params / cpu_dequant`` (in t_cpu).
 
@@ -42,6 +43,9 @@ class Hardware:
     transfer_latency_s: float = 10e-6  # fixed cost per expert copy (launch, DMA setup)
     layer_overhead_s: float = 0.0      # fixed cost per MoE layer (launches, sync points)
     cpu_dequant_gelems: float = 0.3    # host dequantization, G weights/s (torch, one thread: 0.2-0.7)
+    # device dequantization, G weights/s; None: memory bound at gpu_mem_gbps (a GPU). A CPU
+    # "device" (benchmarks on the host) is compute bound: the bench measures and sets it.
+    device_dequant_gelems: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -109,7 +113,10 @@ def miss_times(model: ExpertCost, hw: Hardware, slot_format: str = "dequantized"
     if slot_format not in SLOT_FORMATS:
         raise ValueError(f"unknown slot format {slot_format!r}; use one of {', '.join(SLOT_FORMATS)}")
     gpu = hw.gpu_mem_gbps * GB
-    dequant = (model.expert_bytes + model.compute_bytes) / gpu if model.quantized else 0.0
+    dequant = 0.0
+    if model.quantized:
+        dequant = ((model.expert_bytes + model.compute_bytes) / gpu if not hw.device_dequant_gelems
+                   else (model.expert_flops or 0.0) / 2 / (hw.device_dequant_gelems * 1e9))
     hit = model.compute_bytes / gpu + (dequant if slot_format == "quantized" else 0.0)
     fetch = (hw.transfer_latency_s + model.expert_bytes / (hw.h2d_gbps * GB) + hit
              + (dequant if slot_format == "dequantized" else 0.0))
