@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import CacheConfig
+from ..config import BASELINES, CacheConfig  # noqa: F401  (BASELINES: re-exported for bench/)
+from ..sim.mrc import OPTIMUM  # noqa: F401  (re-exported for bench/)
 from ..sim.replay import resolve_policy
-
-BASELINES = ("resident", "copy-every-pass", "cpu")
-OPTIMUM = "belady"
 
 
 @dataclass(frozen=True)
@@ -25,7 +23,7 @@ class Strategy:
     slots: int | None = None
     eviction: str | None = None
     admission: str = "always"
-    label: str = ""            # what the user asked for, e.g. "default (lru)"
+    label: str = ""            # what the user asked for, e.g. "default (next-use)"
     eviction_params: tuple = ()  # (name, value) pairs, e.g. (("protected", 0.5),)
     admission_params: tuple = ()
 
