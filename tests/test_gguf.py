@@ -18,6 +18,7 @@ import torch
 import expertcache
 from expertcache.ggufmodel.header import read_header
 from gguf_models import EXPERT_FF, write_gguf
+from offload_check import assert_offload_matches, expected
 
 PROMPT = torch.tensor([[5, 9, 77, 120, 3, 44, 200, 17]])
 TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")
@@ -38,11 +39,7 @@ def reference(path):
 @pytest.fixture(scope="module", params=TYPES)
 def gguf_file(request, tmp_path_factory):
     path = write_gguf(tmp_path_factory.mktemp(request.param) / "tiny.gguf", "qwen3_moe", request.param)
-    ref = reference(path)
-    with torch.no_grad():
-        logits = ref(PROMPT).logits
-        tokens = ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
-    return path, logits, tokens
+    return (path, *expected(reference(path), PROMPT))
 
 
 @pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
@@ -50,14 +47,9 @@ def gguf_file(request, tmp_path_factory):
                                             ("fetch", "per-layer")])
 def test_gguf_equals_transformers(gguf_file, slot_format, miss, partition):
     path, logits, tokens = gguf_file
-    model = expertcache.offload(path, slots=6, slot_format=slot_format, miss=miss, partition=partition)
-    with torch.no_grad():
-        got = model(PROMPT).logits
-        out = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
-    assert (got - logits).abs().max().item() <= 1e-4
-    assert torch.equal(out, tokens)
+    model = assert_offload_matches(path, PROMPT, logits, tokens, slot_format=slot_format, miss=miss,
+                                   partition=partition)
     stats = model.expertcache.stats()
-    assert stats.total().misses > 0 and stats.total().hits > 0  # the cache was exercised, not bypassed
     summary = model.expertcache.summary()
     assert summary["slot_format"] == slot_format and summary["host_memory"] == "mmap"
     assert stats.pool["host_memory"] == "mmap" and "no CUDA" in stats.pool["host_memory_reason"]
@@ -209,19 +201,15 @@ def gpt_oss_reference(path):
 @pytest.fixture(scope="module")
 def gpt_oss_file(tmp_path_factory):
     path = write_gguf(tmp_path_factory.mktemp("gptoss") / "gpt-oss.gguf", "gpt_oss", "MXFP4")
-    ref = gpt_oss_reference(path)
-    with torch.no_grad():
-        return path, ref(PROMPT).logits, ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    return (path, *expected(gpt_oss_reference(path), PROMPT))
 
 
 @pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
 @pytest.mark.parametrize("miss,partition", [("fetch", "global"), ("cpu", "per-layer")])
 def test_gpt_oss_gguf(gpt_oss_file, slot_format, miss, partition):
     path, logits, tokens = gpt_oss_file
-    model = expertcache.offload(path, slots=6, slot_format=slot_format, miss=miss, partition=partition)
-    with torch.no_grad():
-        assert (model(PROMPT).logits - logits).abs().max().item() <= 1e-4
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=10, do_sample=False), tokens)
+    model = assert_offload_matches(path, PROMPT, logits, tokens, slot_format=slot_format, miss=miss,
+                                   partition=partition)
     assert model.expertcache.summary()["quant"] == ["F32", "MXFP4"]  # biases stay F32
 
 

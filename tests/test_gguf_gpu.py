@@ -18,6 +18,7 @@ pytestmark = [
 import expertcache  # noqa: E402
 from cuda_sync import forbid_syncs_in_steps  # noqa: E402
 from gguf_models import write_gguf  # noqa: E402
+from offload_check import assert_cuda_matches  # noqa: E402
 from test_gguf import PROMPT, reference  # noqa: E402
 
 
@@ -25,19 +26,7 @@ from test_gguf import PROMPT, reference  # noqa: E402
 @pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
 def test_cuda_gguf_equals_cpu_reference(tmp_path, expert_type, slot_format):
     path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", expert_type)
-    ref = reference(path)
-    with torch.no_grad():
-        want_logits = ref(PROMPT).logits
-        want = ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
-    model = expertcache.offload(path, slots=6, device="cuda", dtype="float32", slot_format=slot_format)
-    cache = model.expertcache
-    assert cache.host_mode[0] == "pinned"
-    assert all(t.is_pinned() for host in cache.hosts for t in host.tensors.values())
-    with torch.no_grad():
-        logits = model(PROMPT.cuda()).logits.cpu()
-        out = model.generate(PROMPT.cuda(), max_new_tokens=10, do_sample=False).cpu()
-    assert (logits - want_logits).abs().max().item() <= 1e-3  # TF32 / cuBLAS sums against the CPU's
-    assert torch.equal(out, want)
+    assert_cuda_matches(path, reference(path), PROMPT, slot_format)
 
 
 @pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 import expertcache
 from expertcache.quant.hf import fp8_block, mxfp4_hf, mxfp4_hf_to_ggml
 from expertcache.quant.dequant import dequantize
+from offload_check import assert_offload_matches, expected
 from tiny_moe import save_checkpoint, tiny_config
 
 PROMPT = torch.tensor([[5, 9, 77, 12, 3, 44, 20, 17]])
@@ -189,10 +190,7 @@ def checkpoint(request, tmp_path_factory):
     else:
         path, float_model = write_fp8(path, family="deepseek_v3")
         ref = fp8_reference(path, float_model)
-    with torch.no_grad():
-        logits = ref(PROMPT).logits
-        tokens = ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
-    return path, logits, tokens
+    return (path, *expected(ref, PROMPT))
 
 
 @pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
@@ -200,14 +198,8 @@ def checkpoint(request, tmp_path_factory):
                                             ("fetch", "per-layer")])
 def test_hf_quantized_equals_reference(checkpoint, slot_format, miss, partition):
     path, logits, tokens = checkpoint
-    model = expertcache.offload(path, slots=6, slot_format=slot_format, miss=miss, partition=partition)
-    with torch.no_grad():
-        got = model(PROMPT).logits
-        out = model.generate(PROMPT, max_new_tokens=10, do_sample=False)
-    assert (got - logits).abs().max().item() <= 1e-4
-    assert torch.equal(out, tokens)
-    stats = model.expertcache.stats()
-    assert stats.total().misses > 0 and stats.total().hits > 0
+    model = assert_offload_matches(path, PROMPT, logits, tokens, slot_format=slot_format, miss=miss,
+                                   partition=partition)
     summary = model.expertcache.summary()
     assert summary["slot_format"] == slot_format and summary["host_memory"] == "copy"
 

@@ -22,6 +22,7 @@ pytestmark = [
 
 import expertcache  # noqa: E402
 from cuda_sync import forbid_syncs_in_steps  # noqa: E402
+from offload_check import assert_cuda_matches  # noqa: E402
 from test_hf_quant import PROMPT, fp8_reference, transformers_reference, write_fp8, write_gpt_oss_mxfp4  # noqa: E402
 
 
@@ -36,18 +37,7 @@ def _checkpoint(kind: str, path):
 @pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
 def test_cuda_hf_quant_equals_cpu_reference(tmp_path, kind, slot_format):
     path, ref = _checkpoint(kind, tmp_path)
-    with torch.no_grad():
-        want_logits = ref(PROMPT).logits
-        want = ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
-    model = expertcache.offload(path, slots=6, device="cuda", dtype="float32", slot_format=slot_format)
-    cache = model.expertcache
-    assert cache.host_mode[0] == "pinned"
-    assert all(t.is_pinned() for host in cache.hosts for t in host.tensors.values())
-    with torch.no_grad():
-        logits = model(PROMPT.cuda()).logits.cpu()
-        out = model.generate(PROMPT.cuda(), max_new_tokens=10, do_sample=False).cpu()
-    assert (logits - want_logits).abs().max().item() <= 1e-3  # TF32 / cuBLAS sums against the CPU's
-    assert torch.equal(out, want)
+    assert_cuda_matches(path, ref, PROMPT, slot_format)
 
 
 @pytest.mark.parametrize("kind", ["mxfp4", "fp8"])
