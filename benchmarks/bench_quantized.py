@@ -183,9 +183,9 @@ def cases(policies: list[str], budget: int, partition: str) -> list[Case]:
         for spec in policies:
             p = resolve_policy(spec)
             for fmt in formats:
-                cfg = CacheConfig(gpu_memory=budget, eviction=p.eviction, admission=p.admission,
+                cfg = CacheConfig(gpu_memory=budget, eviction=p.spec.eviction, admission=p.spec.admission,
                                   partition=partition, slot_format=fmt)
-                out.append(Case(precision, Strategy("cache", None, p.eviction, p.admission, p.label), cfg))
+                out.append(Case(precision, Strategy("cache", None, p), cfg))
     return out
 
 

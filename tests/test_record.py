@@ -139,3 +139,27 @@ def test_a_checkpoint_without_tokenizer_files_says_so(plain, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "no tokenizer in the checkpoint directory" in err, err
     assert not (tmp_path / "t.npz").exists()
+
+
+def test_record_takes_a_gguf_file_like_offload(tmp_path, capsys):
+    """`trace record model.gguf` said "checkpoint directory not found" (issue 17): record takes
+    what offload takes. The trace is the GGUF model's own routing: an offloaded run of the same
+    file with a small cache counts exactly the hits the replay of the recorded trace predicts."""
+    from gguf_models import write_gguf
+
+    from expertcache.sim.replay import replay
+
+    gg = write_gguf(tmp_path / "tiny.gguf", "qwen3_moe", "Q8_0")
+    out = tmp_path / "t.npz"
+    assert main(["trace", "record", str(gg), "--prompt", "a b c d", "--max-new-tokens", "3",
+                 "-o", str(out)]) == 0, capsys.readouterr().err
+    trace = load_trace(out)
+    assert trace.num_tokens >= 4 and (trace.phases == 1).sum() == 2  # 3 new tokens: 2 decode forwards
+    model = offload(gg, slots=trace.num_layers * trace.top_k, eviction="lru", device="cpu")
+    from expertcache.integrations.transformers import load_tokenizer
+    ids = load_tokenizer(gg)("a b c d", return_tensors="pt").input_ids
+    again = record(model, ids, 3)
+    assert np.array_equal(again.experts, trace.experts)
+    live = model.expertcache.stats().total()
+    sim = replay(trace, "lru", trace.num_layers * trace.top_k).stats.total()
+    assert (live.hits, live.misses) == (sim.hits, sim.misses)

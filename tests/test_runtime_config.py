@@ -36,13 +36,14 @@ def test_format_size():
 
 def test_config_defaults_and_baselines():
     cfg = CacheConfig(slots=8)
-    assert (cfg.eviction, cfg.admission, cfg.miss, cfg.partition) == ("default", "always", "fetch", "global")
+    assert (cfg.eviction.name, cfg.admission.name, cfg.miss, cfg.partition) == \
+        ("default", "always", "fetch", "global")
     assert CacheConfig(baseline="cpu").effective().miss == "cpu"
-    assert CacheConfig(baseline="cpu").effective().admission == "never"
+    assert CacheConfig(baseline="cpu").effective().admission.name == "never"
     cep = CacheConfig(baseline="copy-every-pass", miss="cpu").effective()
-    assert (cep.admission, cep.miss) == ("never", "fetch")
+    assert (cep.admission.name, cep.miss) == ("never", "fetch")
     assert CacheConfig(gpu_memory="1KiB").gpu_memory_bytes == 1024
-    assert CacheConfig(slots=4, eviction="slru", eviction_params={"protected": "0.5"}).eviction_params == {"protected": 0.5}
+    assert CacheConfig(slots=4, eviction="slru", eviction_params={"protected": "0.5"}).eviction.params == {"protected": 0.5}
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -161,7 +161,7 @@ def test_errors_say_what_to_do():
         replay(trace, "lru", 1)
     with pytest.raises(ValueError, match="partition"):
         replay(trace, "lru", 4, "weird")
-    with pytest.raises(ValueError, match=r"outside \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"fraction must be between 0 and 1: the share in \(0, 1\]"):
         slots_for_fraction(trace, 1.5)
     with pytest.raises(ValueError, match="engine"):
         replay(trace, "lru", 4, engine="gpu")

@@ -9,10 +9,10 @@ and the simulator's cost model read them from here. Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import InitVar, dataclass, fields, replace
 
-from .cache import PARTITIONS
-from .policies.registry import admission_class, check_params, eviction_class, needs_future
+from .cache import PARTITIONS  # noqa: F401  (defined by the table that implements them; the CLI reads it here)
+from .policies.registry import PolicySpec, admission_spec, eviction_spec
 from .sizes import parse_size
 
 MISS_PATHS = ("fetch", "cpu", "auto")
@@ -22,6 +22,8 @@ IMATRIX_MODES = ("pin", "seed")
 # How a slot holds a quantized expert (docs/quantized.md): its quantized bytes, dequantized per
 # step into scratch, or the compute dtype, dequantized once on load. 'auto' picks per device.
 SLOT_FORMATS = ("auto", "quantized", "dequantized")
+# What a pool slot holds once 'auto' is resolved: 'plain' for experts that were never quantized.
+SLOT_KINDS = ("plain", "quantized", "dequantized")
 # Where quantized expert bytes live on the host: a copy in RAM (pinned with CUDA), the
 # memory-mapped file (the OS page cache is the middle tier), or 'auto': a copy when it fits.
 HOST_MEMORY = ("auto", "copy", "mmap")
@@ -43,10 +45,8 @@ class CacheConfig:
     slots: int | None = None
     gpu_memory: str | int | None = None
     partition: str = "global"
-    eviction: str = "default"
-    admission: str = "always"
-    eviction_params: dict = field(default_factory=dict)
-    admission_params: dict = field(default_factory=dict)
+    eviction: PolicySpec = "default"    # given as a spec, a name or 'slru:protected=0.5'; held as a spec
+    admission: PolicySpec = "always"
     miss: str = "fetch"
     baseline: str | None = None
     staging: int | None = None
@@ -57,8 +57,14 @@ class CacheConfig:
     slot_format: str = "auto"
     host_memory: str = "auto"
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
+    # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
+    eviction_params: InitVar[dict | None] = None
+    admission_params: InitVar[dict | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, eviction_params: dict | None, admission_params: dict | None) -> None:
+        # Policies first: names, parameter types and ranges are checked here, before any load.
+        object.__setattr__(self, "eviction", eviction_spec(self.eviction, eviction_params))
+        object.__setattr__(self, "admission", admission_spec(self.admission, admission_params))
         self._check_capacity()
         self._check_choice("partition", self.partition, PARTITIONS)
         self._check_choice("miss", self.miss, MISS_PATHS)
@@ -74,13 +80,9 @@ class CacheConfig:
             object.__setattr__(self, "device", str(self.device))
         if self.imatrix is not None and not isinstance(self.imatrix, str):
             object.__setattr__(self, "imatrix", str(self.imatrix))
-        object.__setattr__(self, "eviction_params",
-                           check_params(eviction_class(self.eviction), dict(self.eviction_params)))
-        object.__setattr__(self, "admission_params",
-                           check_params(admission_class(self.admission), dict(self.admission_params)))
-        if needs_future(self.eviction, self.eviction_params):  # static(inner=belady) too
-            raise ValueError(f"eviction policy {self.eviction!r} is an offline oracle that needs future "
-                             "accesses; a live run cannot know them. Use it in `expertcache sim`")
+        if self.eviction.needs_future:  # static(inner=belady) too
+            raise ValueError(f"eviction policy {str(self.eviction)!r} is an offline oracle that needs "
+                             "future accesses; a live run cannot know them. Use it in `expertcache sim`")
         if self.needs_size and self.slots is None and self.gpu_memory is None:
             raise ValueError("the cache needs a size: give slots=N or gpu_memory='8GiB' "
                              "(or baseline='resident' / 'cpu' / 'copy-every-pass')")
@@ -105,7 +107,7 @@ class CacheConfig:
     @property
     def needs_size(self) -> bool:
         """Whether the pool caches experts, so that slots or gpu_memory must say how many."""
-        return self.baseline is None and self.admission != "never"
+        return self.baseline is None and self.admission.name != "never"
 
     @property
     def gpu_memory_bytes(self) -> int | None:
@@ -114,10 +116,23 @@ class CacheConfig:
     def effective(self) -> CacheConfig:
         """The configuration a baseline stands for (DESIGN.md: baselines are configurations)."""
         if self.baseline == "copy-every-pass":  # llama.cpp: copy used experts each pass, keep none
-            return replace(self, admission="never", admission_params={}, miss="fetch")
+            return replace(self, admission="never", miss="fetch")
         if self.baseline == "cpu":  # llama.cpp --cpu-moe: experts computed on the host
-            return replace(self, admission="never", admission_params={}, miss="cpu")
+            return replace(self, admission="never", miss="cpu")
         return self  # 'resident' is sized by the runtime: one slot per expert, all preloaded
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-friendly: policies as their names plus ``*_params`` (the keywords that rebuild them)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for side in ("eviction", "admission"):
+            out[side], out[f"{side}_params"] = out[side].name, dict(out[side].params)
+        return out
+
+
+def fraction_slots(fraction: float, total: int) -> int:
+    """Slots holding ``fraction`` of ``total`` experts (rounded, at least 1): the one check of a
+    share of the experts, for ``sim --fractions``, the bench and ``imatrix --fraction``."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be between 0 and 1: the share in (0, 1] of all {total} "
+                         f"experts the slots hold, e.g. 0.125; got {fraction!r}")
+    return max(1, round(fraction * total))

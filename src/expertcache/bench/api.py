@@ -28,7 +28,7 @@ def run_bench(*, trace: str | Path | None = None, preset: str | None = None, tok
     ``policies`` default to ``default`` (else ``lru``); ``slots`` are total slot counts, else
     ``fractions`` of all experts; ``hardware``: ``calibrate`` (measure here), a preset name,
     a profile JSON path, or None for no predictions."""
-    from ..sim.replay import check_table, resolve_policy, slots_for_fraction
+    from ..sim.replay import check_table, slots_for_fraction
     from .strategies import default_policy, plan
     from .workload import load_workload
 
@@ -41,7 +41,7 @@ def run_bench(*, trace: str | Path | None = None, preset: str | None = None, tok
                       optimum=belady)
     for s in strategies:  # bad sizes (below top-k, ...) fail before any weight is built
         if s.slots is not None:
-            check_table(tr, resolve_policy(s.sim_policy), s.slots, partition)
+            check_table(tr, s.sim_policy, s.slots, partition)
     from .run import run_strategies  # torch: imported only once the options are known good
 
     result = run_strategies(tr, model, strategies, scale=scale, dtype=dtype, device=device,

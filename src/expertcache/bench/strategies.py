@@ -12,25 +12,31 @@ from dataclasses import dataclass
 
 from ..config import BASELINES, CacheConfig  # noqa: F401  (BASELINES: re-exported for bench/)
 from ..sim.mrc import OPTIMUM  # noqa: F401  (re-exported for bench/)
-from ..sim.replay import resolve_policy
+from ..sim.replay import ReplayPolicy, resolve_policy
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """One column of the benchmark. ``kind`` is a baseline name, ``cache`` or ``belady``."""
+    """One column of the benchmark. ``kind`` is a baseline name, ``cache`` or ``belady``;
+    ``spec`` the resolved policies of a cache (both ``PolicySpec``s and the label)."""
 
     kind: str
     slots: int | None = None
-    eviction: str | None = None
-    admission: str = "always"
-    label: str = ""            # what the user asked for, e.g. "default (next-use)"
-    eviction_params: tuple = ()  # (name, value) pairs, e.g. (("protected", 0.5),)
-    admission_params: tuple = ()
+    spec: ReplayPolicy | None = None
 
     @property
     def name(self) -> str:
         """Row name in tables and the JSON ``strategy`` field."""
         return self.kind
+
+    @property
+    def eviction(self) -> str | None:
+        return None if self.spec is None else self.spec.eviction
+
+    @property
+    def label(self) -> str:
+        """What the user asked for, e.g. "default (next-use)"."""
+        return "" if self.spec is None else self.spec.label
 
     @property
     def policy(self) -> str | None:
@@ -47,20 +53,15 @@ class Strategy:
         """The runtime configuration (belady runs as lru here; the bench swaps in the oracle table)."""
         if self.kind in BASELINES:
             return CacheConfig(baseline=self.kind, partition=partition)
-        eviction = "lru" if self.kind == OPTIMUM else self.eviction
-        params = {} if self.kind == OPTIMUM else dict(self.eviction_params)
-        return CacheConfig(slots=self.slots, eviction=eviction, admission=self.admission,
-                           eviction_params=params, admission_params=dict(self.admission_params),
-                           partition=partition)
+        if self.kind == OPTIMUM:
+            return CacheConfig(slots=self.slots, eviction="lru", partition=partition)
+        return CacheConfig(slots=self.slots, eviction=self.spec.spec.eviction,
+                           admission=self.spec.spec.admission, partition=partition)
 
     @property
-    def sim_policy(self) -> str:
-        """The spec ``expertcache sim`` replays for the same configuration."""
-        if self.kind == OPTIMUM:
-            return OPTIMUM
-        def side(name, params):  # the --policy syntax: NAME:KEY=VALUE...
-            return ":".join([name, *(f"{k}={v}" for k, v in params)])
-        return f"{side(self.eviction, self.eviction_params)}+{side(self.admission, self.admission_params)}"
+    def sim_policy(self) -> ReplayPolicy:
+        """What ``replay`` runs for the same configuration (resolved once, passed as is)."""
+        return self.spec
 
 
 def plan(policies: list[str], slots: list[int], *, baselines=BASELINES,
@@ -71,13 +72,13 @@ def plan(policies: list[str], slots: list[int], *, baselines=BASELINES,
         raise ValueError("give at least one slot count for the cache strategies")
     out = [Strategy(b) for b in BASELINES if b in baselines]
     for spec in policies:
-        if spec.strip() == OPTIMUM:
+        if str(spec).strip() == OPTIMUM:
             continue  # belady is added once below, not as a causal policy
-        p = resolve_policy(spec)
-        out += [Strategy("cache", n, p.eviction, p.admission, p.label, tuple(p.eviction_params.items()),
-                         tuple(p.admission_params.items())) for n in slots]
+        resolved = resolve_policy(spec)
+        out += [Strategy("cache", n, resolved) for n in slots]
     if optimum:
-        out += [Strategy(OPTIMUM, n, OPTIMUM, "always", OPTIMUM) for n in slots]
+        oracle = resolve_policy(OPTIMUM)
+        out += [Strategy(OPTIMUM, n, oracle) for n in slots]
     return out
 
 

@@ -7,8 +7,7 @@ POLICY_HELP = ("EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]], e.g. default
 
 
 def add_cache_options(p) -> None:
-    from ..cache import PARTITIONS
-    from ..config import BASELINES, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, SLOT_FORMATS
+    from ..config import BASELINES, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, PARTITIONS, SLOT_FORMATS
 
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="experts the device pool caches (all layers)")
@@ -42,8 +41,7 @@ def cache_config(args):
 
     policy = parse_policy(args.policy)
     return CacheConfig(slots=args.slots, gpu_memory=args.gpu_memory, eviction=policy.eviction,
-                       eviction_params=policy.eviction_params, admission=policy.admission,
-                       admission_params=policy.admission_params, partition=args.partition,
+                       admission=policy.admission, partition=args.partition,
                        miss=args.miss, baseline=args.baseline, staging=args.staging,
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,

@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_info)
 
     p = tsub.add_parser("record", help="run a Hugging Face MoE model and record its routing")
-    p.add_argument("model", metavar="MODEL", help="local checkpoint directory")
+    p.add_argument("model", metavar="MODEL", help="what generate takes: a GGUF file, a local checkpoint "
+                   "directory (save_pretrained layout) or an HF-quantized one (MXFP4, block FP8)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..config import fraction_slots
 from .counts import ExpertCounts
 from .placement import coverage, placement_keys, plan_coverage
 
@@ -17,10 +18,7 @@ def plan_slots(counts: ExpertCounts, slots: int | None, fraction: float | None) 
         if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= total:
             raise ValueError(f"slots must be a whole number in 0..{total} (layers x experts), got {slots!r}")
         return slots
-    fraction = DEFAULT_FRACTION if fraction is None else fraction
-    if not 0 <= fraction <= 1:
-        raise ValueError(f"fraction must be between 0 and 1 (share of all {total} experts), got {fraction!r}")
-    return int(round(fraction * total))
+    return fraction_slots(DEFAULT_FRACTION if fraction is None else fraction, total)
 
 
 def build_report(counts: ExpertCounts, slots: int, top_k: int | None = None, hot: int = 8) -> dict:

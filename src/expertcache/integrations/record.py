@@ -112,18 +112,27 @@ def _meta(model, experts, ex: np.ndarray) -> dict:
 
 def record_trace(model: str | Path, prompt: str, output: str | Path, max_new_tokens: int = 32, *,
                  device: str | None = None, router_logits: bool = False) -> Trace:
-    """Load the local checkpoint ``model``, record ``prompt`` plus ``max_new_tokens`` greedy
-    tokens, save the trace to ``output`` and return it. Nothing is downloaded."""
-    from .transformers import check_checkpoint_dir, load_checkpoint, load_tokenizer
+    """Load ``model`` (whatever ``offload`` takes: a checkpoint directory, a GGUF file, an
+    HF-quantized directory), record ``prompt`` plus ``max_new_tokens`` greedy tokens, save the
+    trace to ``output`` and return it. Nothing is downloaded.
+
+    Quantized models load through ``offload`` with nothing cached (their experts stay
+    quantized on the host): the routing is the model's own, whichever way experts run."""
+    from .transformers import check_model_path, load_checkpoint, load_tokenizer, model_kind, offload
 
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty")
     path = Path(model)
-    check_checkpoint_dir(path)
+    check_model_path(path)
     tokenizer = load_tokenizer(path)
-    loaded = load_checkpoint(path, None).eval()
-    if device:
-        loaded.to(device)
+    if model_kind(path) == "checkpoint":
+        loaded = load_checkpoint(path, None).eval()
+        if device:
+            loaded.to(device)
+    else:  # on the host the experts run there; on a device the used ones stream in
+        on_host = device is None or str(device) == "cpu"
+        loaded = offload(path, baseline="cpu" if on_host else "copy-every-pass",
+                         device=device or "cpu").eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     trace = record(loaded, ids, max_new_tokens, router_logits=router_logits)
     save_trace(trace, output)

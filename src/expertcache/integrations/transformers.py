@@ -13,50 +13,43 @@ from pathlib import Path
 
 import torch
 
-from ..config import CacheConfig
+from ..config import DTYPES, CacheConfig
 from ..runtime.clock import ForwardClock
 from ..runtime.engine import ExpertCache
 from ..runtime.experts import IMPLEMENTATION, expertcache_experts_forward
 from ..runtime.host import HostExperts, check_layout
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES names torch dtypes
 # quantized experts the codec cannot read (block FP8 and MXFP4 load: integrations/hf_quant.py)
 _UNSUPPORTED_QUANT = {"fbgemm_fp8": "per-channel FP8 (fbgemm_fp8)"}
 
 
-def offload(model_or_path, *, slots: int | None = None, gpu_memory: str | int | None = None,
-            eviction: str = "default", admission: str = "always", partition: str = "global",
-            miss: str = "fetch", baseline: str | None = None, device=None, dtype: str | None = None,
-            staging: int | None = None, eviction_params: dict | None = None,
-            admission_params: dict | None = None, imatrix=None, imatrix_mode: str = "pin",
-            slot_format: str = "auto", host_memory: str = "auto", hardware: str | None = None,
-            config: CacheConfig | None = None):
+def offload(model_or_path, *, config: CacheConfig | None = None, **settings):
     """Keep ``model_or_path``'s experts in host memory behind a device slot pool; returns the model.
 
     ``model_or_path``: a loaded transformers MoE model (changed in place), a local
     checkpoint directory, or a GGUF file (``model.gguf`` or the first part of a split
-    one; its experts stay quantized: docs/quantized.md). ``config`` replaces the keyword settings when given.
-    ``imatrix`` (path to an imatrix .gguf, trace or counts file) places its hot experts before
-    the first forward: ``imatrix_mode`` 'pin' keeps them, 'seed' lets them be evicted.
+    one; its experts stay quantized: docs/quantized.md).
+    ``settings`` are ``CacheConfig``'s fields, checked before anything loads (or pass
+    ``config``): ``slots`` or ``gpu_memory``, ``eviction`` / ``admission`` (names, specs such
+    as ``'slru:protected=0.5'``, or ``PolicySpec``s; ``eviction_params`` / ``admission_params``
+    by name), ``partition``, ``miss``, ``baseline``, ``device``, ``dtype``, ``staging``,
+    ``imatrix`` (path to an imatrix .gguf, trace or counts file whose hot experts are placed
+    before the first forward; ``imatrix_mode`` 'pin' keeps them, 'seed' lets them be evicted),
     ``slot_format`` ('auto', 'quantized', 'dequantized') and ``host_memory`` ('auto', 'copy',
-    'mmap') apply to quantized experts; ``hardware`` (a preset or probe profile) feeds the cost
+    'mmap') for quantized experts, ``hardware`` (a preset or probe profile) for the cost
     model of ``miss='auto'``.
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """
+    if config is not None and settings:
+        raise TypeError(f"offload() takes either config or settings, not both (got {', '.join(settings)})")
     if config is None:
-        config = CacheConfig(slots=slots, gpu_memory=gpu_memory, eviction=eviction, admission=admission,
-                             partition=partition, miss=miss, baseline=baseline, staging=staging,
-                             device=None if device is None else str(device), dtype=dtype,
-                             eviction_params=eviction_params or {}, admission_params=admission_params or {},
-                             imatrix=None if imatrix is None else str(imatrix), imatrix_mode=imatrix_mode,
-                             slot_format=slot_format, host_memory=host_memory, hardware=hardware)
-    if isinstance(model_or_path, (str, Path)):
-        from ..ggufmodel.load import is_gguf
-        if is_gguf(Path(model_or_path)):
-            return _offload_gguf(Path(model_or_path), config)
-        from .hf_quant import QUANT_METHODS, quant_method
-        if quant_method(Path(model_or_path)) in QUANT_METHODS:
-            return _offload_hf_quant(Path(model_or_path), config)
+        config = CacheConfig(**settings)
+    kind = model_kind(Path(model_or_path)) if isinstance(model_or_path, (str, Path)) else None
+    if kind == "gguf":
+        return _offload_gguf(Path(model_or_path), config)
+    if kind == "hf-quant":
+        return _offload_hf_quant(Path(model_or_path), config)
     model = load_checkpoint(model_or_path, config.dtype) if isinstance(model_or_path, (str, Path)) \
         else model_or_path
     if not isinstance(model, torch.nn.Module):
@@ -213,6 +206,17 @@ def load_checkpoint(path: str | Path, dtype: str | None):
     check_checkpoint_dir(path)
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=_DTYPES[dtype] if dtype else "auto", device_map="cpu", local_files_only=True)
+
+
+def model_kind(path: Path) -> str:
+    """How ``offload`` loads ``path``: 'gguf' (a GGUF file), 'hf-quant' (a checkpoint with MXFP4
+    or block-FP8 experts, kept quantized) or 'checkpoint' (a plain save_pretrained directory)."""
+    from ..ggufmodel.load import is_gguf
+    from .hf_quant import QUANT_METHODS, quant_method
+
+    if is_gguf(path):
+        return "gguf"
+    return "hf-quant" if quant_method(path) in QUANT_METHODS else "checkpoint"
 
 
 def check_model_path(path: Path) -> None:

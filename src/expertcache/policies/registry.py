@@ -8,6 +8,7 @@ modules that register on import) through the entry-point group
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .base import AdmissionPolicy, EvictionPolicy
@@ -122,21 +123,101 @@ def _coerce(policy: str, key: str, default: object, value: object) -> object:
     return value
 
 
-def needs_future(name: str, params: dict[str, object] | None = None) -> bool:
+def needs_future(name: str | PolicySpec, params: dict[str, object] | None = None) -> bool:
     """True if eviction policy ``name`` with ``params`` is an offline oracle (it needs the
     future accesses), e.g. ``belady``, or ``static`` with ``inner='belady'``."""
-    cls = eviction_class(name)
-    return cls.wants_future(check_params(cls, dict(params or {})))
+    return eviction_spec(name, params).needs_future
 
 
-def make_eviction(name: str, capacity: int, **params: object) -> EvictionPolicy:
-    cls = eviction_class(name)
-    return cls(capacity, **check_params(cls, params))
+def make_eviction(name: str | PolicySpec, capacity: int, **params: object) -> EvictionPolicy:
+    """A fresh eviction policy; a ``PolicySpec`` is used as resolved (no second lookup)."""
+    spec = name if isinstance(name, PolicySpec) and not params else eviction_spec(name, params)
+    return spec.build(capacity)
 
 
-def make_admission(name: str, **params: object) -> AdmissionPolicy:
-    cls = admission_class(name)
-    return cls(**check_params(cls, params))
+def make_admission(name: str | PolicySpec, **params: object) -> AdmissionPolicy:
+    spec = name if isinstance(name, PolicySpec) and not params else admission_spec(name, params)
+    return spec.build()
+
+
+# A policy's constructor is the one owner of its parameter ranges; a spec asks it by building
+# one throwaway instance this big (big enough for any "at least N slots" rule, cheap to build).
+_PROBE_CAPACITY = 1024
+
+
+@dataclass(frozen=True, eq=False)
+class PolicySpec:
+    """One policy resolved once: its kind, registered name and class, and its parameters merged
+    with the defaults, type-checked and range-checked (the policy's own constructor is asked at
+    creation, so a spec that exists is one the runtime can build). Build one with
+    ``eviction_spec`` / ``admission_spec``; ``str(spec)`` is the ``--policy`` syntax."""
+
+    kind: str                  # "eviction" or "admission"
+    name: str
+    params: dict = field(default_factory=dict)
+    cls: type = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        cls = _lookup(_TABLES[self.kind], self.kind, self.name) if self.cls is None else self.cls
+        object.__setattr__(self, "cls", cls)
+        object.__setattr__(self, "params", check_params(cls, dict(self.params)))
+        self.build(_PROBE_CAPACITY)  # the policy's own range checks, before anything loads
+
+    def build(self, capacity: int | None = None):
+        """A fresh policy instance (eviction policies need the partition's ``capacity``)."""
+        if self.kind == "eviction":
+            return self.cls(capacity, **self.params)
+        return self.cls(**self.params)
+
+    @property
+    def needs_future(self) -> bool:
+        return self.kind == "eviction" and self.cls.wants_future(self.params)
+
+    def changed(self) -> dict[str, object]:
+        """The parameters that differ from the policy's defaults."""
+        return {k: v for k, v in self.params.items() if self.cls.params.get(k) != v}
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "params": dict(self.params)}
+
+    def __str__(self) -> str:
+        return ":".join([self.name, *(f"{k}={v}" for k, v in self.changed().items())])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PolicySpec):
+            return NotImplemented
+        return (self.kind, self.name, self.params) == (other.kind, other.name, other.params)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.name, repr(sorted(self.params.items()))))
+
+
+_TABLES = {"eviction": _EVICTION, "admission": _ADMISSION}
+
+
+def _spec(kind: str, value: str | PolicySpec, params: dict | None) -> PolicySpec:
+    if isinstance(value, PolicySpec):
+        if value.kind != kind:
+            raise ValueError(f"{value.name!r} is an {value.kind} policy, not an {kind} policy")
+        return PolicySpec(kind, value.name, {**value.params, **(params or {})}, value.cls) \
+            if params else value
+    if not isinstance(value, str):
+        raise TypeError(f"an {kind} policy is a name such as 'lru' or 'slru:protected=0.5' "
+                        f"(or a PolicySpec), got {type(value).__name__}")
+    name, parsed = _named_params(value, value)
+    if not name:
+        raise ValueError(f"empty {kind} policy {value!r}; write NAME or NAME:KEY=VALUE, e.g. "
+                         "'slru:protected=0.5'")
+    return PolicySpec(kind, name, {**parsed, **(params or {})})
+
+
+def eviction_spec(value: str | PolicySpec, params: dict | None = None) -> PolicySpec:
+    """``'slru:protected=0.5'`` (or a name plus ``params``, which win) -> a checked PolicySpec."""
+    return _spec("eviction", value, params)
+
+
+def admission_spec(value: str | PolicySpec, params: dict | None = None) -> PolicySpec:
+    return _spec("admission", value, params)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -147,30 +228,32 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return eviction, admission or "always"
 
 
-class PolicyParams(NamedTuple):
-    eviction: str
-    eviction_params: dict
-    admission: str
-    admission_params: dict
+class PolicyPair(NamedTuple):
+    """What every ``--policy`` names: an eviction and an admission policy, both resolved."""
+
+    eviction: PolicySpec
+    admission: PolicySpec
+
+    def __str__(self) -> str:
+        return f"{self.eviction}+{self.admission}"
 
 
-def parse_policy(spec: str) -> PolicyParams:
-    """'slru:protected=0.5+window:size=64' -> names and validated parameters of both policies.
+def parse_policy(spec: str) -> PolicyPair:
+    """'slru:protected=0.5+window:n=3' -> both policies as checked ``PolicySpec``s.
 
     Each side is ``NAME[:KEY=VALUE[:KEY=VALUE...]]``; ':' (not ',') separates parameters because
     sim and bench already take comma-separated lists of policies. Parameters are checked by
-    ``check_params`` (unknown names, types), so the CLI reports what the Python API reports.
+    ``PolicySpec`` (unknown names, types, ranges), so the CLI reports what the Python API reports.
     """
     sides = spec.strip().split("+")
     if len(sides) > 2:
         raise ValueError(f"policy {spec!r} has more than one '+'; write EVICTION[:k=v]+ADMISSION[:k=v]")
-    eviction, eviction_params = _named_params(sides[0], spec)
-    admission, admission_params = _named_params(sides[1] if len(sides) == 2 else "always", spec)
-    if not eviction:
+    if not sides[0].strip().split(":")[0].strip():
         raise ValueError(f"empty policy in {spec!r}; write EVICTION or EVICTION+ADMISSION, "
                          "e.g. 'lru' or 'slru:protected=0.5+second-hit'")
-    return PolicyParams(eviction, check_params(eviction_class(eviction), eviction_params),
-                        admission, check_params(admission_class(admission), admission_params))
+    eviction = PolicySpec("eviction", *_named_params(sides[0], spec))
+    admission = PolicySpec("admission", *_named_params(sides[1] if len(sides) == 2 else "always", spec))
+    return PolicyPair(eviction, admission)
 
 
 def _named_params(side: str, spec: str) -> tuple[str, dict[str, str]]:

@@ -35,9 +35,7 @@ class ExpertCache:
         self.cost = self._expert_cost(hosts[0])
         slots, pool_slots, staging = self._size(run)
         self.table = SlotTable(self.num_layers, self.num_experts, slots, eviction=run.eviction,
-                               admission=run.admission, partition=run.partition, top_k=top_k,
-                               eviction_params=run.eviction_params,
-                               admission_params=run.admission_params)
+                               admission=run.admission, partition=run.partition, top_k=top_k)
         self.pool = SlotPool(hosts[0].layout() if self.codec is None else {}, pool_slots, staging, self.device,
                              None if self.codec is None else [h.codec for h in hosts], self.slot_format,
                              self._scratch(staging))
@@ -65,7 +63,7 @@ class ExpertCache:
                              "baseline 'resident' (every expert on the device)")
             return L * E, L * E, 0
         staging = 0 if run.miss == "cpu" else (run.staging or k)
-        if run.admission == "never":  # nothing is ever cached (baselines cpu, copy-every-pass):
+        if run.admission.name == "never":  # nothing is ever cached (baselines cpu, copy-every-pass):
             # the table only counts accesses; the pool keeps just the staging slots
             self._check_free(staging * each + self._scratch_bytes(staging), f"{staging} staging slots")
             return (k * L if run.partition == "per-layer" else k), 0, staging
@@ -116,7 +114,7 @@ class ExpertCache:
 
     def _place_imatrix(self, counts, mode: str, run: CacheConfig) -> None:
         """Pin or seed the imatrix plan (docs/imatrix.md) and copy those experts in now."""
-        if run.admission == "never" or self.pool.slots == 0:
+        if run.admission.name == "never" or self.pool.slots == 0:
             raise ValueError(f"imatrix placement needs cache slots; baseline {self.config.baseline!r} "
                              "keeps none (give slots or gpu_memory without a baseline)")
         for key, slot in place(self.table, counts, mode).loads.items():

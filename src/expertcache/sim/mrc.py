@@ -17,7 +17,7 @@ import numpy as np
 
 from ..policies.belady import Belady
 from ..trace.format import Trace
-from .replay import (PolicySpec, Prepared, ReplayResult, check_size, check_table, kernel_for,
+from .replay import (ReplayPolicy, Prepared, ReplayResult, check_size, check_table, kernel_for,
                      kernel_result, resolve_policy, table_replay)
 
 OPTIMUM = Belady.name
@@ -26,7 +26,7 @@ STACK_SIZES = 3  # from this many LRU sizes on, one stack-distance pass beats a 
 _WORKER: Prepared | None = None  # the trace inside a worker process
 
 
-def sweep(trace: Trace | Prepared, policies: Sequence[str | PolicySpec],
+def sweep(trace: Trace | Prepared, policies: Sequence[str | ReplayPolicy],
           slots_list: Sequence[int], partition: str = "global", *, workers: int | None = None,
           progress: Callable[[int, int], None] | None = None) -> list[ReplayResult]:
     """Every policy spec at every size; results in (policy, size) order.
@@ -34,7 +34,7 @@ def sweep(trace: Trace | Prepared, policies: Sequence[str | PolicySpec],
     ``progress(done, total)`` is called as jobs finish (the CLI draws a bar).
     """
     prep = trace if isinstance(trace, Prepared) else Prepared(trace)
-    specs = [p if isinstance(p, PolicySpec) else resolve_policy(p) for p in policies]
+    specs = [resolve_policy(p) for p in policies]
     slots_list = list(dict.fromkeys(int(s) for s in slots_list))
     if not specs or not slots_list:
         raise ValueError("a sweep needs at least one policy and one size")
@@ -85,7 +85,7 @@ def sweep_sizes(trace: Trace, partition: str, points: int) -> list[int]:
 
 
 # -- jobs -----------------------------------------------------------------------
-def _kernel_results(prep: Prepared, spec: PolicySpec, kernel, slots_list,
+def _kernel_results(prep: Prepared, spec: ReplayPolicy, kernel, slots_list,
                     partition) -> list[ReplayResult]:
     all_sizes = getattr(kernel, "all_sizes", None)  # one pass for every size, if it applies
     if all_sizes is not None and len(slots_list) >= STACK_SIZES:
@@ -95,12 +95,12 @@ def _kernel_results(prep: Prepared, spec: PolicySpec, kernel, slots_list,
     return [kernel_result(prep, spec, kernel, slots, partition) for slots in slots_list]
 
 
-def _table_result(prep: Prepared, spec: PolicySpec, slots: int, partition: str) -> ReplayResult:
+def _table_result(prep: Prepared, spec: ReplayPolicy, slots: int, partition: str) -> ReplayResult:
     stats = table_replay(prep, check_table(prep.trace, spec, slots, partition))
     return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, "table", spec.label)
 
 
-def _table_job(spec: PolicySpec, slots: int, partition: str) -> ReplayResult:
+def _table_job(spec: ReplayPolicy, slots: int, partition: str) -> ReplayResult:
     return _table_result(_WORKER, spec, slots, partition)
 
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from ..cache import SlotTable, partition_shares
 from ..policies.belady import Future
-from ..policies.registry import admission_class, check_params, eviction_class, parse_policy
+from ..config import fraction_slots
+from ..policies.registry import PolicyPair, admission_spec, eviction_spec, parse_policy
 from ..stats import PREFILL, Counts, Stats
 from ..trace.format import Trace
 
@@ -64,37 +65,59 @@ class ReplayResult:
 
 
 @dataclass(frozen=True)
-class PolicySpec:
-    """A parsed ``EVICTION[:k=v][+ADMISSION[:k=v]]``, resolved and validated once: the classes,
-    the parameters merged with their defaults, and the label to show for it."""
+class ReplayPolicy:
+    """``EVICTION[:k=v][+ADMISSION[:k=v]]`` resolved once: both ``PolicySpec``s (classes and
+    checked parameters) and the label to show for it."""
 
-    eviction: str
-    admission: str
+    spec: PolicyPair
     label: str
-    eviction_cls: type = None
-    admission_cls: type = None
-    eviction_params: dict = field(default_factory=dict)
-    admission_params: dict = field(default_factory=dict)
+
+    @property
+    def eviction(self) -> str:
+        return self.spec.eviction.name
+
+    @property
+    def admission(self) -> str:
+        return self.spec.admission.name
+
+    @property
+    def eviction_cls(self) -> type:
+        return self.spec.eviction.cls
+
+    @property
+    def admission_cls(self) -> type:
+        return self.spec.admission.cls
+
+    @property
+    def eviction_params(self) -> dict:
+        return self.spec.eviction.params
+
+    @property
+    def admission_params(self) -> dict:
+        return self.spec.admission.params
 
     def policy(self, capacity: int):
-        """A fresh eviction policy of this spec (its own range checks run here)."""
-        return self.eviction_cls(capacity, **self.eviction_params)
+        """A fresh eviction policy of this spec."""
+        return self.spec.eviction.build(capacity)
 
 
-def resolve_policy(spec: str, eviction_params: dict | None = None,
-                   admission_params: dict | None = None) -> PolicySpec:
-    """Parse a spec (``slru:protected=0.5+second-hit``), look both names up (ValueError lists
-    the known ones) and check the parameters; explicit ``*_params`` win over the spec's own.
-    ``default`` is labelled with the policy it stands for."""
-    parsed = parse_policy(spec)
-    label = spec.strip()
-    ev_cls, ad_cls = eviction_class(parsed.eviction), admission_class(parsed.admission)
-    if parsed.eviction == "default":
-        label = label.replace("default", f"default ({_aliased(ev_cls)})", 1)
-    ev = parsed.eviction_params if eviction_params is None else eviction_params
-    ad = parsed.admission_params if admission_params is None else admission_params
-    return PolicySpec(parsed.eviction, parsed.admission, label, ev_cls, ad_cls,
-                      check_params(ev_cls, dict(ev)), check_params(ad_cls, dict(ad)))
+def resolve_policy(spec: str | PolicyPair | ReplayPolicy, eviction_params: dict | None = None,
+                   admission_params: dict | None = None, label: str | None = None) -> ReplayPolicy:
+    """Parse a spec (``slru:protected=0.5+second-hit``) or take resolved ``PolicySpec``s; names
+    are looked up (ValueError lists the known ones) and parameters checked once; explicit
+    ``*_params`` win over the spec's own. ``default`` is labelled with the policy it stands for."""
+    if isinstance(spec, ReplayPolicy) and eviction_params is None and admission_params is None:
+        return spec
+    if isinstance(spec, ReplayPolicy):
+        spec, label = spec.spec, label or spec.label
+    pair = parse_policy(spec) if isinstance(spec, str) else spec
+    if eviction_params is not None or admission_params is not None:
+        pair = PolicyPair(eviction_spec(pair.eviction.name, eviction_params),
+                          admission_spec(pair.admission.name, admission_params))
+    label = label or (spec.strip() if isinstance(spec, str) else str(pair))
+    if pair.eviction.name == "default":
+        label = label.replace("default", f"default ({_aliased(pair.eviction.cls)})", 1)
+    return ReplayPolicy(pair, label)
 
 
 def _aliased(cls) -> str:
@@ -107,13 +130,10 @@ def _aliased(cls) -> str:
 
 def slots_for_fraction(trace: Trace, fraction: float) -> int:
     """Total slots holding ``fraction`` of all L x E experts (rounded)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction {fraction} is outside (0, 1]: give the share of all "
-                         f"{trace.num_layers} x {trace.num_experts} experts the slots hold, e.g. 0.125")
-    return max(1, round(fraction * trace.num_layers * trace.num_experts))
+    return fraction_slots(fraction, trace.num_layers * trace.num_experts)
 
 
-def check_size(trace: Trace, spec: PolicySpec, slots: int, partition: str) -> int:
+def check_size(trace: Trace, spec: ReplayPolicy, slots: int, partition: str) -> int:
     """Validate one size for a resolved spec (slots, partition, top-k, the policy's own
     range checks) without building a table; returns the per-partition capacity."""
     cap = partition_shares(trace.num_layers, trace.num_experts, slots, partition,
@@ -122,13 +142,12 @@ def check_size(trace: Trace, spec: PolicySpec, slots: int, partition: str) -> in
     return cap
 
 
-def check_table(trace: Trace, spec: PolicySpec, slots: int, partition: str,
+def check_table(trace: Trace, spec: ReplayPolicy, slots: int, partition: str,
                 pinned: Sequence[int] = ()) -> SlotTable:
     """A fresh table for ``spec`` at one size (it validates everything it is given)."""
-    return SlotTable(trace.num_layers, trace.num_experts, slots, eviction=spec.eviction,
-                     admission=spec.admission, partition=partition, top_k=trace.top_k,
-                     pinned=pinned, eviction_params=spec.eviction_params,
-                     admission_params=spec.admission_params)
+    return SlotTable(trace.num_layers, trace.num_experts, slots, eviction=spec.spec.eviction,
+                     admission=spec.spec.admission, partition=partition, top_k=trace.top_k,
+                     pinned=pinned)
 
 
 class Prepared:
@@ -222,7 +241,7 @@ def step_keys(experts: np.ndarray, num_experts: int) -> np.ndarray:
     return keys
 
 
-def replay(trace: Trace | Prepared, policy: str | PolicySpec, slots: int,
+def replay(trace: Trace | Prepared, policy: str | PolicyPair | ReplayPolicy, slots: int,
            partition: str = "global", *, pinned: Iterable[int] = (), seed: Sequence[int] = (),
            engine: str = "auto", eviction_params: dict | None = None,
            admission_params: dict | None = None) -> ReplayResult:
@@ -233,8 +252,7 @@ def replay(trace: Trace | Prepared, policy: str | PolicySpec, slots: int,
     the SlotTable path; ``'auto'`` takes the kernel when it applies.
     """
     prep = trace if isinstance(trace, Prepared) else Prepared(trace)
-    spec = policy if isinstance(policy, PolicySpec) else \
-        resolve_policy(policy, eviction_params, admission_params)
+    spec = resolve_policy(policy, eviction_params, admission_params)
     pinned, seed = list(pinned), list(seed)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
@@ -254,7 +272,7 @@ def replay(trace: Trace | Prepared, policy: str | PolicySpec, slots: int,
     return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, "table", spec.label)
 
 
-def kernel_for(prep: Prepared, spec: PolicySpec):
+def kernel_for(prep: Prepared, spec: ReplayPolicy):
     """The kernel module that reproduces ``spec`` on this trace, or None (see ``sim.kernels``)."""
     from .kernels import kernel_module
     module = kernel_module(spec.eviction_cls, spec.admission_cls)
@@ -268,7 +286,7 @@ def _fits(prep: Prepared) -> bool:
     return prep.keys.shape[0] < (1 << 31)
 
 
-def kernel_result(prep: Prepared, spec: PolicySpec, kernel, slots: int,
+def kernel_result(prep: Prepared, spec: ReplayPolicy, kernel, slots: int,
                   partition: str) -> ReplayResult:
     """One size through ``kernel`` (from ``kernel_for``); validates the size first."""
     from .kernels import admission_args
@@ -281,7 +299,7 @@ def kernel_result(prep: Prepared, spec: PolicySpec, kernel, slots: int,
 
 
 def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str,
-                  spec: PolicySpec | None = None) -> list[ReplayResult]:
+                  spec: ReplayPolicy | None = None) -> list[ReplayResult]:
     """LRU at every size from one pass of stack distances (``sim.kernels.lru``)."""
     from .kernels import lru
     spec = spec or resolve_policy("lru")
