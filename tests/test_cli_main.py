@@ -65,3 +65,21 @@ def test_an_output_into_a_missing_folder_fails_first(argv, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"folder {tmp_path / 'nope'} does not exist" in err and err.count("\n") == 1, err
     assert not (tmp_path / "nope").exists()
+
+
+def test_errors_use_the_cli_spelling(capsys):
+    """A CLI user reads --slots / --gpu-memory, not the library's slots=N (issue 17)."""
+    from expertcache.cli import cli_spelling, main
+
+    assert main(["generate", "nowhere", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--slots N or --gpu-memory 8GiB" in err and "slots=N" not in err
+    assert "--baseline resident, cpu or copy-every-pass" in err
+    assert cli_spelling("capacity below top-k: gpu_memory='64MiB' holds 3 experts") == \
+        "capacity below top-k: --gpu-memory 64MiB holds 3 experts"
+    assert cli_spelling("x needs 3 GiB; give a smaller gpu_memory or fewer slots") == \
+        "x needs 3 GiB; give a smaller --gpu-memory or fewer --slots"
+    assert cli_spelling("max_tokens must be a positive whole number, got 0") == \
+        "--max-tokens must be a positive whole number, got 0"
+    assert cli_spelling("the pool holds 3 slots but one step needs up to top_k=4; give at least 4 slots") \
+        .endswith("give at least --slots 4")

@@ -127,7 +127,16 @@ def test_trace_without_action_prints_help(capsys):
     ["trace", "info", "{trace}", "--json", "{missing}/info.json"],
     ["trace", "import", "--format", "jsonl", "{trace}", "{missing}/t.npz"],
     ["trace", "record", "no-such-model", "--prompt", "hi", "-o", "{missing}/t.npz"],
-], ids=["synth", "info", "import", "record"])
+    ["sim", "synth:olmoe", "--tokens", "50", "--json", "{missing}/s.json"],
+    ["sim", "synth:olmoe", "--tokens", "50", "--plot", "{missing}/s.png"],
+    ["generate", "no-such-model", "--prompt", "hi", "--slots", "8", "--json", "{missing}/g.json"],
+    ["bench", "--json", "{missing}/b.json"],
+    ["bench", "--plot", "{missing}/b.png"],
+    ["imatrix", "{trace}", "--json", "{missing}/i.json"],
+    ["probe", "-o", "{missing}/p.json"],
+    ["demo", "--out", "{missing}/demo"],
+], ids=["synth", "info", "import", "record", "sim-json", "sim-plot", "generate", "bench-json", "bench-plot",
+        "imatrix", "probe", "demo"])
 def test_an_output_into_a_missing_folder_fails_before_any_work(argv, tmp_path, capsys):
     """One rule for every subcommand: the folder must exist, nothing creates it, and the
     error comes first (record would load a model; import would read the input)."""

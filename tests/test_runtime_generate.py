@@ -63,6 +63,26 @@ def test_generate_errors_are_one_line(checkpoint, tmp_path, capsys):
         main(["generate", str(checkpoint), "--prompt", "w1", "--slots", "4", "--gpu-memory", "1GiB"])
 
 
+def test_generate_and_serve_share_the_context_rule(checkpoint, monkeypatch, capsys):
+    """`generate --max-new-tokens 1000` on a 128-token context ran past it while serve refused
+    the same request (issue 17): one rule (runtime.generate.check_context), checked before the
+    model loads."""
+    from expertcache.integrations import transformers as tf
+    from expertcache.runtime.generate import ContextError, check_context
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(tf, "offload", no_load)
+    assert main(["generate", str(checkpoint), "--prompt", "w1 w2 w3", "--slots", "5",
+                 "--max-new-tokens", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "exceed the model's context of 128" in err and "--max-new-tokens" in err
+    with pytest.raises(ContextError, match="ask for at most 125 new tokens"):
+        check_context(3, 1000, 128)
+    check_context(3, 125, 128)  # exactly full is fine, as in serve
+
+
 def test_trace_record_command(checkpoint, tmp_path):
     out = tmp_path / "t.npz"
     assert main(["trace", "record", str(checkpoint), "--prompt", "w1 w2 w3", "--max-new-tokens", "5",

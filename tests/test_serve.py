@@ -213,3 +213,65 @@ def test_a_chat_template_refusing_the_messages_is_a_400(server, tokenizer):
     finally:
         tokenizer.chat_template = template
     assert r.status_code == 400 and "no system messages" in r.json()["error"]["message"]
+
+
+# -- parameters this server does not implement, and the error fields (issue 17) --------------
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
+DONE = {"model": NAME, "prompt": PROMPT, "max_tokens": 2}
+
+
+@pytest.mark.parametrize("route, extra, param", [
+    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("chat", {"frobnicate": 1}, "frobnicate"),
+    ("completions", {"messages": []}, "messages"),  # a chat field on the completions route
+    ("chat", {"temperature": 5}, "temperature"),
+    ("chat", {"top_p": 0}, "top_p"),
+    ("chat", {"stop": [""]}, "stop"),
+    ("completions", {"max_tokens": 200}, "max_tokens"),
+])
+def test_unsupported_and_bad_parameters_are_named(server, route, extra, param):
+    body = {**(CHAT if route == "chat" else DONE), **extra}
+    r = httpx.post(f"{server[0].url}/v1/{'chat/completions' if route == 'chat' else 'completions'}",
+                   json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert param in error["message"]
+
+
+def test_parameters_that_ask_for_nothing_pass(server):
+    """What many clients send by default is not a request for a feature."""
+    neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "tools": [],
+               "response_format": {"type": "text"}, "user": "someone", "logit_bias": {}}
+    r = httpx.post(server[0].url + "/v1/chat/completions", json={**CHAT, **neutral}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(server[0].url + "/v1/completions", json={**DONE, "echo": False, "best_of": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_context_errors_name_the_prompt_field(server):
+    long = " ".join(["w3"] * 129)
+    r = httpx.post(server[0].url + "/v1/completions", json={"model": NAME, "prompt": long}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    chat = {"model": NAME, "messages": [{"role": "user", "content": long}]}
+    r = httpx.post(server[0].url + "/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_null_content_is_refused(server):
+    body = {**CHAT, "messages": [{"role": "user", "content": None}]}
+    r = httpx.post(server[0].url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+
+
+def test_models_say_when_the_model_was_loaded(server, client):
+    created = client.models.list().data[0].created
+    assert 0 < created <= time.time() and created > time.time() - 3600

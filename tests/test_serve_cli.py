@@ -65,3 +65,42 @@ def test_cli_serves_with_key_from_environment(tmp_path):
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def _refused(argv: list[str]) -> tuple[str, float]:
+    """Run the CLI in a fresh interpreter; (stderr, seconds). It must exit 2 without importing torch:
+    nothing was loaded."""
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}" + os.environ.get("PYTHONPATH", "")}
+    code = ("import sys; from expertcache.cli import main; rc = main(sys.argv[1:]); "
+            "print('torch' in sys.modules); sys.exit(rc)")
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True,
+                         timeout=60)
+    seconds = time.perf_counter() - start
+    assert run.returncode == 2 and run.stdout.strip() == "False", (run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    return run.stderr, seconds
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "port must be a whole number in 0-65535"),
+    (["--port", "-1"], "port must be a whole number in 0-65535"),
+    (["--host", "no-such-host.invalid"], "the name does not resolve"),
+    (["--host", "203.0.113.7"], "is not an address of this machine"),  # TEST-NET-3: nobody's
+])
+def test_bad_listen_address_is_refused_before_loading(tmp_path, flags, message):
+    err, seconds = _refused(["serve", str(tmp_path / "no-model"), "--slots", "8", *flags])
+    assert message in err
+    assert seconds < 10  # loose on a loaded machine; about 0.5 s when quiet (issue 17: under 2 s)
+
+
+def test_a_port_in_use_is_refused_before_loading(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err, seconds = _refused(["serve", str(tmp_path / "no-model"), "--slots", "8", "--port", str(port)])
+    assert f"cannot listen on 127.0.0.1:{port}: the port is already in use" in err
+    assert seconds < 10

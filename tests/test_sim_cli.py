@@ -100,7 +100,7 @@ def test_sweep_draws_a_curve(small_trace, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--policy", "nosuch"], "unknown eviction policy 'nosuch'; known eviction policies: .*lru"),
     (["--fraction", "1.5"], r"fraction must be between 0 and 1.*got 1.5"),
-    (["--fraction", "0"], r"outside \(0, 1\]"),
+    (["--fraction", "0"], r"the share in \(0, 1\] .*got 0.0"),
     (["--slots", "1"], "capacity below top-k"),
     (["--slots", "4", "--partition", "per-layer"], "leaves no slot per layer|below top-k"),
     (["--slots", "8,x"], "--slots takes comma-separated ints"),

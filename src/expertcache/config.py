@@ -21,9 +21,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 IMATRIX_MODES = ("pin", "seed")
 # How a slot holds a quantized expert (docs/quantized.md): its quantized bytes, dequantized per
 # step into scratch, or the compute dtype, dequantized once on load. 'auto' picks per device.
-SLOT_FORMATS = ("auto", "quantized", "dequantized")
+QUANT_SLOT_FORMATS = ("quantized", "dequantized")
+SLOT_FORMATS = ("auto", *QUANT_SLOT_FORMATS)
 # What a pool slot holds once 'auto' is resolved: 'plain' for experts that were never quantized.
-SLOT_KINDS = ("plain", "quantized", "dequantized")
+SLOT_KINDS = ("plain", *QUANT_SLOT_FORMATS)
 # Where quantized expert bytes live on the host: a copy in RAM (pinned with CUDA), the
 # memory-mapped file (the OS page cache is the middle tier), or 'auto': a copy when it fits.
 HOST_MEMORY = ("auto", "copy", "mmap")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 # name -> one line for the command listing (the module's own parser says more)
@@ -30,6 +31,30 @@ COMMANDS = {
     "bench": "decode benchmark: baselines vs the cache on real expert weights",
     "demo": "simulator table + live benchmark on the built-in trace, with plots",
 }
+
+
+# The library speaks Python (``slots=N``); a CLI user reads the flags that set the same thing.
+_SPELLING = [
+    (re.compile(r"\bslots=N\b"), "--slots N"),
+    (re.compile(r"\bgpu_memory='([^']*)'"), r"--gpu-memory \1"),
+    (re.compile(r"\bgpu_memory=(\S+)"), r"--gpu-memory \1"),
+    (re.compile(r"\bbaseline='resident' / 'cpu' / 'copy-every-pass'"), "--baseline resident, cpu or copy-every-pass"),
+    (re.compile(r"\bbaseline '(\S+)'"), r"--baseline \1"),
+    (re.compile(r"\ba smaller gpu_memory or fewer slots\b"), "a smaller --gpu-memory or fewer --slots"),
+    (re.compile(r"\bslot_format='(\S+)'"), r"--slot-format \1"),
+    (re.compile(r"^(slots|staging|port) must\b"), r"--\1 must"),
+    (re.compile(r"^(max_body_bytes|max_tokens|max_queue|max_prompt_tokens) must\b"),
+     lambda m: "--" + m.group(1).replace("_", "-") + " must"),
+    (re.compile(r"\bgive either slots or gpu_memory\b"), "give either --slots or --gpu-memory"),
+    (re.compile(r"\bgive at least (\d+) slots\b"), r"give at least --slots \1"),
+]
+
+
+def cli_spelling(message: str) -> str:
+    """``message`` with the library's keyword spelling turned into the CLI's flags."""
+    for pattern, repl in _SPELLING:
+        message = pattern.sub(repl, message)
+    return message
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -67,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except (ValueError, FileNotFoundError, TypeError) as err:
-        print(f"expertcache {args.command}: error: {err}", file=sys.stderr)
+        print(f"expertcache {args.command}: error: {cli_spelling(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

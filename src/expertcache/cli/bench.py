@@ -16,6 +16,8 @@ from .paths import check_output
 
 
 def add_parser(sub) -> None:
+    from ..config import PARTITIONS
+
     p = sub.add_parser("bench", help="decode benchmark: baselines vs the cache on real expert weights",
                        description=__doc__)
     p.add_argument("--trace", help="routing trace .npz to replay (default: synthetic)")
@@ -32,7 +34,7 @@ def add_parser(sub) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", help="total slots, comma separated (e.g. 256,512)")
     size.add_argument("--fraction", help="share of all L x E experts in slots (default 0.125,0.25,0.5)")
-    p.add_argument("--partition", default="global", choices=("global", "per-layer"))
+    p.add_argument("--partition", default="global", choices=PARTITIONS)
     p.add_argument("--no-belady", action="store_true", help="skip the belady (offline optimum) runs")
     p.add_argument("--baselines", default="resident,copy-every-pass,cpu",
                    help="baselines to run, comma separated, or 'none' (default: all three; "

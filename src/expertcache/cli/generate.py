@@ -33,14 +33,22 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..integrations.transformers import check_model_path, load_tokenizer, offload
-    from ..runtime.generate import format_summary, generate_and_measure
-
     prompt = args.prompt if args.prompt is not None else _read(args.prompt_file)
-    config, how = cache_config(args), sampling(args)  # bad flags fail before the model loads
+    config, how = cache_config(args), sampling(args)  # bad flags fail before torch is imported
     check_output(args.json, "--json")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+
+    from ..integrations.transformers import check_model_path, load_tokenizer, model_context, offload
+    from ..runtime.generate import ContextError, check_context, encode, format_summary, generate_and_measure
+
     check_model_path(Path(args.model))
     tokenizer = load_tokenizer(args.model)
+    try:  # the rule serve applies to max_tokens, checked before the model loads
+        check_context(len(encode(tokenizer, prompt, args.chat)), args.max_new_tokens,
+                      model_context(Path(args.model)))
+    except ContextError as err:
+        raise ValueError(f"{err} (--max-new-tokens)") from None
     model = offload(args.model, config=config).eval()
     _, summary = generate_and_measure(model, tokenizer, prompt, args.max_new_tokens, how, chat=args.chat,
                                       on_text=_print_now)

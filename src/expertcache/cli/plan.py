@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from ..cache import PARTITIONS
+    from ..config import PARTITIONS
 
     p = sub.add_parser("plan", help="before loading: slots per slot format, predicted tok/s, a recommendation",
                        description="Reads only the model's header (a GGUF file, or a preset name with --quant) "

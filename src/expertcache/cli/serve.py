@@ -34,22 +34,27 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..integrations.transformers import check_model_path, load_tokenizer, offload
-
-    try:
-        from ..serve.server import Server, ServeSettings
-    except ImportError as err:  # the web stack is an optional extra
-        raise ValueError(f"expertcache serve needs the 'serve' extra: pip install 'expertcache[serve]' "
-                         f"({err.name or err} is missing)") from None
+    from ..serve.settings import ServeSettings, listen
 
     settings = ServeSettings(model_name=args.model_name or Path(args.model).resolve().name, host=args.host,
                              port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                              max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                              max_tokens=args.max_tokens, max_queue=args.max_queue, log_level=args.log_level)
     config = cache_config(args)  # bad flags fail before the model loads
-    check_model_path(Path(args.model))
-    tokenizer = load_tokenizer(args.model)
-    model = offload(args.model, config=config).eval()
-    print(f"expertcache serve: {model.expertcache!r}")
-    Server(model, tokenizer, settings).run()
+    sock = listen(settings.host, settings.port)  # a busy port or a foreign host too
+    try:
+        try:
+            from ..serve.server import Server
+        except ImportError as err:  # the web stack is an optional extra
+            raise ValueError(f"expertcache serve needs the 'serve' extra: pip install 'expertcache[serve]' "
+                             f"({err.name or err} is missing)") from None
+        from ..integrations.transformers import check_model_path, load_tokenizer, offload
+
+        check_model_path(Path(args.model))
+        tokenizer = load_tokenizer(args.model)
+        model = offload(args.model, config=config).eval()
+        print(f"expertcache serve: {model.expertcache!r}")
+        Server(model, tokenizer, settings).run(sock)
+    finally:
+        sock.close()
     return 0

@@ -11,8 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+from .paths import check_output
+
 
 def add_parser(sub) -> None:
+    from ..config import IMATRIX_MODES, MISS_PATHS, PARTITIONS, QUANT_SLOT_FORMATS
     p = sub.add_parser("sim", help="replay a routing trace: hit rates, optimum, predicted tok/s",
                        description=__doc__)
     p.add_argument("trace", help="trace .npz, or synth:PRESET for a synthetic trace")
@@ -24,7 +27,7 @@ def add_parser(sub) -> None:
     size.add_argument("--fraction", help="share of all L x E experts, in (0, 1] (e.g. 0.125,0.25)")
     size.add_argument("--sweep", type=int, metavar="POINTS", nargs="?", const=12,
                       help="miss-ratio curve over POINTS sizes (default 12)")
-    p.add_argument("--partition", default="global", choices=("global", "per-layer"))
+    p.add_argument("--partition", default="global", choices=PARTITIONS)
     p.add_argument("--tokens", type=int, help="replay only the first N tokens")
     p.add_argument("--steps", default="auto", choices=("auto", "token", "batched"),
                    help="step order: batched = the prompt as one step per layer, as the runtime "
@@ -35,13 +38,13 @@ def add_parser(sub) -> None:
     p.add_argument("--hardware", default="pcie4-consumer",
                    help="cost-model profile: pcie4-consumer, pcie5-consumer, h200, or a JSON "
                         "file from 'expertcache probe'")
-    p.add_argument("--miss-path", default="auto", choices=("auto", "fetch", "cpu"))
+    p.add_argument("--miss-path", default="auto", choices=MISS_PATHS)
     p.add_argument("--expert-bytes", type=int, help="bytes of one expert (else trace meta or --model)")
     p.add_argument("--model", help="expert size and FLOPs from a model preset (see presets) or a GGUF "
                    "file (header only, nothing loaded)")
     p.add_argument("--quant", metavar="TYPE", help="size a preset's experts in a ggml type, e.g. Q4_K, "
                    "Q8_0, MXFP4 (with --model PRESET)")
-    p.add_argument("--slot-format", default="dequantized", choices=("quantized", "dequantized"),
+    p.add_argument("--slot-format", default="dequantized", choices=QUANT_SLOT_FORMATS,
                    help="quantized experts: slots hold the stored bytes (dequantized per use) or the "
                         "compute dtype (dequantized per load); changes the predicted tok/s")
     p.add_argument("--dense-bytes", type=int, default=0,
@@ -50,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for synth:PRESET traces")
     p.add_argument("--imatrix", metavar="FILE", help="expert counts (imatrix .gguf, trace, popularity "
                    "JSON, .npy) whose placement plan is pinned or seeded first (docs/imatrix.md)")
-    p.add_argument("--imatrix-mode", default="pin", choices=("pin", "seed"),
+    p.add_argument("--imatrix-mode", default="pin", choices=IMATRIX_MODES,
                    help="pin: never evicted (default: at most half the cache); seed: preloaded, evictable")
     p.add_argument("--imatrix-slots", type=int, metavar="N", help="slots the plan may take")
     p.set_defaults(func=run)
@@ -62,6 +65,10 @@ def run(args) -> int:
     from ..sim.replay import Prepared, resolve_policy, slots_for_fraction
     from ..sim.report import document, expert_cost, rows
 
+    check_output(args.json, "--json")  # a finished sweep must have somewhere to go
+    check_output(args.plot, "--plot")
+    if args.plot:
+        from ..sim.plot import plot_curves  # matplotlib missing: say so before the sweep
     trace = _load(args.trace, args.tokens, args.seed)
     policies = [s for s in args.policy.split(",") if s.strip()]
     if not policies:
@@ -96,7 +103,6 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps(document(trace, table, hw, args.miss_path, cost,
                                                        args.slot_format), indent=2) + "\n")
     if args.plot:
-        from ..sim.plot import plot_curves
         title = f"{trace.meta.get('model', 'trace')}: {trace.num_tokens} tokens, {args.partition}"
         plot_curves(results + extra, args.plot, title=title,
                     total_experts=trace.num_layers * trace.num_experts)

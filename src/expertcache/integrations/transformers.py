@@ -230,6 +230,25 @@ def check_model_path(path: Path) -> None:
         check_checkpoint_dir(path)
 
 
+def model_context(path: Path) -> int | None:
+    """The context in tokens a model file declares, read without loading it (the GGUF header's
+    ``<arch>.context_length`` or config.json's ``max_position_embeddings``); None if it says none."""
+    from ..ggufmodel.load import is_gguf
+
+    if is_gguf(path):
+        from ..ggufmodel.header import read_header
+        header = read_header(path)
+        value = header.metadata.get(f"{header.arch}.context_length")
+    else:
+        cfg = json.loads((path / "config.json").read_text())
+        value = cfg.get("max_position_embeddings", (cfg.get("text_config") or {}).get("max_position_embeddings"))
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 else None
+
+
 def check_checkpoint_dir(path: Path) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path} (give a local directory "

@@ -48,6 +48,34 @@ def encode(tokenizer, prompt, chat: bool = False) -> list[int]:
     return list(ids)
 
 
+class ContextError(ValueError):
+    """A prompt plus its new tokens do not fit the model's context; ``param`` names what to change
+    ('prompt' or 'max_tokens'), so the server can point at the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def context_length(model) -> int | None:
+    """The model's context in tokens (``max_position_embeddings``), None when it does not say."""
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_context(prompt_tokens: int, new_tokens: int, context: int | None) -> None:
+    """The one rule ``generate`` and ``serve`` share: the prompt and every new token fit the context."""
+    if context is None:
+        return
+    if prompt_tokens >= context:
+        raise ContextError(f"the prompt has {prompt_tokens} tokens and fills the model's context of "
+                           f"{context}; shorten it", "prompt")
+    if prompt_tokens + new_tokens > context:
+        raise ContextError(f"the prompt's {prompt_tokens} tokens plus {new_tokens} new tokens exceed the "
+                           f"model's context of {context}; ask for at most {context - prompt_tokens} "
+                           "new tokens", "max_tokens")
+
+
 def run_generation(model, tokenizer, ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
                    on_text=None, cancelled=lambda: False) -> Generation:
     """Generate from prompt ``ids``; ``on_text(delta)`` gets text as it becomes final; ``cancelled()``
@@ -59,6 +87,7 @@ def run_generation(model, tokenizer, ids: list[int], max_new_tokens: int, sampli
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive whole number, got {max_new_tokens!r}")
+    check_context(len(ids), max_new_tokens, context_length(model))
     stream = StreamText(tokenizer, sampling.stop)
     sink = _Sink(stream, on_text)
 

@@ -24,13 +24,12 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from ..config import SLOT_KINDS
 from .compute import grouped_mm_works
 from .host import HostExperts
 
 if TYPE_CHECKING:
     from .quantized import Codec
-
-FORMATS = ("plain", "quantized", "dequantized")
 
 
 class SlotPool:
@@ -39,7 +38,7 @@ class SlotPool:
                  slot_format: str = "plain", scratch: int = 0) -> None:
         if slots < 0 or staging < 0:
             raise ValueError(f"slot counts must not be negative, got slots={slots}, staging={staging}")
-        if slot_format not in FORMATS or (slot_format == "plain") != (not codecs):
+        if slot_format not in SLOT_KINDS or (slot_format == "plain") != (not codecs):
             raise ValueError(f"slot format {slot_format!r} with codecs {codecs!r}")
         self.slots, self.staging, self.device = slots, staging, torch.device(device)
         self.size = slots + staging

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -15,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..runtime.generate import encode
+from ..runtime.generate import context_length, encode
 from . import schemas
 from .errors import APIError
 from .responses import DONE, Shape, finish_reason, sse
@@ -29,13 +30,9 @@ class Service:
     def __init__(self, model, tokenizer, settings) -> None:
         self.tokenizer, self.settings = tokenizer, settings
         self.context = context_length(model)
+        self.created = int(time.time())  # the model was loaded just before: /v1/models says when
         self.telemetry = Telemetry(model)
         self.worker = Worker(model, tokenizer, self.telemetry.add, settings.max_queue)
-
-
-def context_length(model) -> int | None:
-    n = getattr(model.config, "max_position_embeddings", None)
-    return n if isinstance(n, int) and n > 0 else None
 
 
 def build_app(service: Service) -> Starlette:
@@ -52,7 +49,7 @@ def build_app(service: Service) -> Starlette:
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [
-            {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "expertcache"}]})
+            {"id": settings.model_name, "object": "model", "created": service.created, "owned_by": "expertcache"}]})
 
     async def stats(request: Request):
         return JSONResponse({"model": settings.model_name, **service.telemetry.snapshot()})
@@ -95,7 +92,8 @@ async def _complete(service: Service, request: Request, chat: bool):
     except ValueError as err:
         raise APIError(400, str(err), param="messages" if chat else "prompt") from None
     limit = schemas.budget(len(ids), req.max_tokens, context=service.context,
-                           max_prompt=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
+                           max_prompt=settings.max_prompt_tokens, max_tokens=settings.max_tokens,
+                           prompt_param="messages" if chat else "prompt")
     job = Job(ids, limit, req.sampling, asyncio.get_running_loop())
     service.worker.submit(job)
     shape = Shape(chat, settings.model_name)
