@@ -4,6 +4,7 @@ listing, and third-party policies through the ``expertcache.policies`` entry poi
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -170,9 +171,6 @@ def test_policies_table(capsys):
 
 # -- third-party plug-in through the entry point ------------------------------
 def _expertcache_cmd() -> list[str]:
-    script = Path(sys.executable).parent / "expertcache"
-    if script.exists():
-        return [str(script)]
     return [sys.executable, "-c", "import sys; from expertcache.cli import main; sys.exit(main())"]
 
 
@@ -192,31 +190,35 @@ print(table.stats().total().hits, sim.hits, sim.misses)
 
 @pytest.fixture
 def installed_plugin(tmp_path):
-    # Build from a copy so setuptools' build/ and egg-info never land in the repo.
-    src = tmp_path / "plugin_pkg"
-    shutil.copytree(PLUGIN_PKG, src)
-    pip = [sys.executable, "-m", "pip"]
-    done = subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", "-q", str(src)],
-                          capture_output=True, text=True)
-    # Offline build with the venv's own setuptools: >= 70.1 builds wheels without the 'wheel'
-    # package (a fresh Python 3.11 venv has 65.5, which cannot); the test extra pins it.
-    assert done.returncode == 0, (f"pip could not install tests/plugin_pkg (the venv needs "
-                                  f"setuptools>=70.1, part of the test extra):\n{done.stderr}")
-    try:
-        yield
-    finally:
-        subprocess.run(pip + ["uninstall", "-y", "-q", "expertcache-plugin-demo"],
-                       check=True, capture_output=True, text=True)
+    """tests/plugin_pkg as an installed distribution, without pip and without touching the active
+    environment: its package and a ``.dist-info`` (METADATA, entry_points.txt from its
+    pyproject.toml) in a temporary site folder that the subprocesses put on their path.
+    ``importlib.metadata`` finds entry points on ``sys.path`` exactly as it finds pip's."""
+    import tomllib
+
+    project = tomllib.loads((PLUGIN_PKG / "pyproject.toml").read_text())["project"]
+    site = tmp_path / "site"
+    shutil.copytree(PLUGIN_PKG / "src", site)
+    info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\n"
+                                   f"Version: {project['version']}\n")
+    groups = project["entry-points"]
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in eps.items())
+        for group, eps in groups.items()))
+    src = Path(__file__).resolve().parents[1] / "src"
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(src)])}
 
 
 @pytest.mark.slow
 def test_entry_point_plugin_is_listed_and_runs(installed_plugin):
     out = subprocess.run(_expertcache_cmd() + ["policies", "--json"], check=True,
-                         capture_output=True, text=True).stdout
+                         capture_output=True, text=True, env=installed_plugin).stdout
     names = [row["name"] for row in json.loads(out)["eviction"]]
     assert "plugin-mru" in names and "lru" in names
     run = subprocess.run([sys.executable, "-c", RUN_PLUGIN], check=True, capture_output=True,
-                         text=True)
+                         text=True, env=installed_plugin)
     # Table by hand (MRU, 2 slots): 0, 1 load; 2 evicts 1 (newest); 0 hits; 3 evicts 0 (newest
     # again); 0 misses: 1 hit. Replay by hand (3 slots; steps [0,1] [2,3] [0,1] [2,3]): 3 evicts
     # 1 (2 is in its step); 0 hits, 1 evicts 3 (0 is in its step); 2 hits, 3 evicts 1: 2 hits, 6 misses.

@@ -60,3 +60,19 @@ def test_config_defaults_and_baselines():
 def test_config_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CacheConfig(**kwargs)
+
+
+def test_subpackages_are_attributes_and_import_stays_torch_free():
+    """`import expertcache; expertcache.integrations` raised AttributeError (issue 17)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, expertcache; assert 'torch' not in sys.modules\n"
+            "assert expertcache.integrations.__name__ == 'expertcache.integrations'\n"
+            "assert expertcache.sim.__name__ == 'expertcache.sim'\n"
+            "assert expertcache.config.CacheConfig\n"
+            "assert 'torch' not in sys.modules, 'an attribute imported torch'\n"
+            "try:\n    expertcache.nothing\nexcept AttributeError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "has no attribute 'nothing'" in out.stdout
