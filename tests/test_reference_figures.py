@@ -1,12 +1,15 @@
-"""SlotTable replays of the shared Qwen3 traces match the reference hit rates in
-../shared/traces/README.md to the fourth decimal (LRU and Belady, both partitions)."""
+"""Replays of the shared Qwen3 traces match the reference hit rates in
+../shared/traces/README.md to the fourth decimal (LRU and Belady, both partitions).
+
+The figures go through the simulator's kernels (``sim/replay.py``'s fast path, tested equal to
+``SlotTable`` counter for counter in tests/test_sim_fast.py); one small case replays through
+the table itself and must equal the kernel there, so the reference also pins the table."""
 
 from __future__ import annotations
 
 import pytest
 
-from expertcache import SlotTable
-from expertcache.policies.belady import Future
+from expertcache.sim.replay import Prepared, replay
 from expertcache.trace import load_trace
 
 from conftest import shared_trace
@@ -20,17 +23,30 @@ REFERENCE = {
 }
 
 
+@pytest.fixture(scope="module")
+def code_trace():
+    return load_trace(shared_trace("qwen3-30b-a3b-code.npz"))
+
+
+@pytest.fixture(scope="module")
+def prepared(code_trace):
+    return Prepared(code_trace, "token")  # one step per token and layer, as the README's figures
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(REFERENCE), ids=lambda c: "-".join(map(str, c)))
-def test_slot_table_matches_reference(case):
-    name, partition, policy, slots = case
-    trace = load_trace(shared_trace(f"qwen3-30b-a3b-{name}.npz"))
-    L, E = trace.num_layers, trace.num_experts
-    steps = [(layer, trace.experts[layer, t].tolist())
-             for t in range(trace.num_tokens) for layer in range(L)]
-    table = SlotTable(L, E, slots, eviction=policy, partition=partition, top_k=trace.top_k)
-    if policy == "belady":
-        table.bind_future(Future([[layer * E + e for e in ex] for layer, ex in steps]))
-    for layer, ex in steps:
-        table.step(layer, ex)
-    assert round(table.stats().total().hit_rate, 4) == REFERENCE[case]
+def test_replay_matches_reference(prepared, case):
+    _, partition, policy, slots = case
+    result = replay(prepared, policy, slots, partition, engine="fast")
+    assert round(result.hit_rate, 4) == REFERENCE[case]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, partition", [("lru", "global"), ("belady", "per-layer")])
+def test_the_table_equals_the_kernel_on_a_slice(code_trace, policy, partition):
+    """The Python SlotTable path on the first 150 tokens: the same counts as the kernel."""
+    part = Prepared(code_trace.slice_tokens(150), "token")
+    table = replay(part, policy, 768, partition, engine="table")
+    fast = replay(part, policy, 768, partition, engine="fast")
+    assert table.engine == "table" and fast.engine != "table"
+    assert table.stats.total() == fast.stats.total()
