@@ -63,10 +63,10 @@ def test_generate_errors_are_one_line(checkpoint, tmp_path, capsys):
         main(["generate", str(checkpoint), "--prompt", "w1", "--slots", "4", "--gpu-memory", "1GiB"])
 
 
-def test_generate_and_serve_share_the_context_rule(checkpoint, monkeypatch, capsys):
+def test_generate_checks_context_and_size_before_loading(checkpoint, monkeypatch, capsys):
     """`generate --max-new-tokens 1000` on a 128-token context ran past it while serve refused
     the same request (issue 17): one rule (runtime.generate.check_context), checked before the
-    model loads."""
+    model loads, as is a cache below top-k."""
     from expertcache.integrations import transformers as tf
     from expertcache.runtime.generate import ContextError, check_context
 
@@ -78,6 +78,9 @@ def test_generate_and_serve_share_the_context_rule(checkpoint, monkeypatch, caps
                  "--max-new-tokens", "1000"]) == 2
     err = capsys.readouterr().err
     assert "exceed the model's context of 128" in err and "--max-new-tokens" in err
+    assert main(["generate", str(checkpoint), "--prompt", "w1", "--slots", "1"]) == 2  # below top-k
+    err = capsys.readouterr().err
+    assert "capacity below top-k" in err and "give at least --slots 2" in err, err
     with pytest.raises(ContextError, match="ask for at most 125 new tokens"):
         check_context(3, 1000, 128)
     check_context(3, 125, 128)  # exactly full is fine, as in serve

@@ -39,10 +39,12 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
 
-    from ..integrations.transformers import check_model_path, load_tokenizer, model_context, offload
+    from ..integrations.transformers import (check_cache_size, check_model_path, load_tokenizer,
+                                             model_context, offload)
     from ..runtime.generate import ContextError, check_context, encode, format_summary, generate_and_measure
 
     check_model_path(Path(args.model))
+    check_cache_size(Path(args.model), config)
     tokenizer = load_tokenizer(args.model)
     try:  # the rule serve applies to max_tokens, checked before the model loads
         check_context(len(encode(tokenizer, prompt, args.chat)), args.max_new_tokens,

@@ -233,15 +233,38 @@ def check_model_path(path: Path) -> None:
 def model_context(path: Path) -> int | None:
     """The context in tokens a model file declares, read without loading it (the GGUF header's
     ``<arch>.context_length`` or config.json's ``max_position_embeddings``); None if it says none."""
+    return _declared(path, "context_length", ("max_position_embeddings",))
+
+
+def check_cache_size(path: Path, config: CacheConfig) -> None:
+    """Refuse ``slots`` below the model's top-k before loading it (read from the GGUF header or
+    config.json): the same check and message the table makes once the model is loaded."""
+    from ..cache import partition_shares
+
+    top_k = _declared(path, "expert_used_count", ("num_experts_per_tok",))
+    experts = _declared(path, "expert_count", ("num_experts", "num_local_experts", "n_routed_experts"))
+    if config.slots is None or not config.needs_size or top_k is None or experts is None:
+        return
+    if config.partition == "global":  # per-layer needs the MoE layer count: the table checks it
+        partition_shares(1, experts, config.slots, "global", min(top_k, experts))
+
+
+def _declared(path: Path, gguf_key: str, hf_keys: tuple[str, ...]) -> int | None:
+    """A positive whole number the model declares: ``<arch>.gguf_key`` in a GGUF header, the
+    first of ``hf_keys`` in config.json (or its text_config); None when absent or unreadable."""
     from ..ggufmodel.load import is_gguf
 
     if is_gguf(path):
         from ..ggufmodel.header import read_header
         header = read_header(path)
-        value = header.metadata.get(f"{header.arch}.context_length")
+        value = header.metadata.get(f"{header.arch}.{gguf_key}")
     else:
-        cfg = json.loads((path / "config.json").read_text())
-        value = cfg.get("max_position_embeddings", (cfg.get("text_config") or {}).get("max_position_embeddings"))
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        scopes = (cfg, cfg.get("text_config") or {})
+        value = next((s[k] for k in hf_keys for s in scopes if s.get(k) is not None), None)
     try:
         value = int(value)
     except (TypeError, ValueError):
