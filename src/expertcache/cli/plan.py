@@ -38,9 +38,9 @@ def run(args) -> int:
     from ..sim.replay import resolve_policy
 
     check_output(args.json, "--json")
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    for spec in policies:
-        resolve_policy(spec)  # unknown names fail before any work
+    # resolved once: unknown names and bad parameters fail before any work, and the specs
+    # themselves go on to the replays
+    policies = [resolve_policy(p) for p in args.policy.split(",") if p.strip()]
     model = model_experts(args.model, args.quant)
     hw = load_hardware(args.hardware)
     trace, why = _trace(args, model) if args.trace else default_trace(model, args.tokens)

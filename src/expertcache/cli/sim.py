@@ -86,7 +86,7 @@ def run(args) -> int:
     prep = Prepared(trace, None if args.steps == "auto" else args.steps)
     if args.imatrix:  # placement changes every replay, so no shared sweep kernels
         from ..imatrix.simulate import imatrix_replays
-        results = imatrix_replays(prep, policies, slots, args.partition, args.imatrix,
+        results = imatrix_replays(prep, specs, slots, args.partition, args.imatrix,
                                   args.imatrix_mode, args.imatrix_slots)
     else:
         with _progress(len(policies) * len(slots)) as tick:

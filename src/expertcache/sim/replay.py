@@ -100,6 +100,9 @@ class ReplayPolicy:
         """A fresh eviction policy of this spec."""
         return self.spec.eviction.build(capacity)
 
+    def __str__(self) -> str:
+        return self.label
+
 
 def resolve_policy(spec: str | PolicyPair | ReplayPolicy, eviction_params: dict | None = None,
                    admission_params: dict | None = None, label: str | None = None) -> ReplayPolicy:
