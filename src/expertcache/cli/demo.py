@@ -41,7 +41,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from ..bench.checks import summary
-    from ..bench.demo import FILES, SIM_HARDWARE, run_demo
+    from ..bench.demo import FILES, SIM_HARDWARE, run_demo, sim_notes
     from ..bench.table import print_table
     from .sim import _print_table as print_sim_table
 
@@ -49,6 +49,8 @@ def run(args) -> int:
 
     def show_sim(trace, rows) -> None:
         print_sim_table(trace, rows, SIM_HARDWARE, True)
+        for note in sim_notes(trace, rows):
+            print(note)
         console.rule(f"2. Live benchmark: first {args.layers} MoE layers, real expert weights, {args.dtype}")
 
     console.rule("1. Simulator: hit rate of each policy on the built-in trace (all 48 layers)")
