@@ -35,5 +35,8 @@ def print_table(doc: dict, console=None) -> None:
                   _f(None if h2d is None else h2d / 2**20, ".1f"), _f(r["slot_bytes"] / 2**20, ".0f"),
                   _f(r.get("overhead_share"), ".1%"))
     console.print(t)
-    for note in doc.get("notes", []):
-        console.print(f"note: {note}")
+    from .report import resident_note
+
+    for note in [*doc.get("notes", []), resident_note(doc["results"])]:
+        if note:
+            console.print(f"note: {note}")
