@@ -419,3 +419,19 @@ def test_codec_fp8_kinds_are_checked():
                 Kind("down_proj", "fp8", ("w", "s"))):
         with pytest.raises(ValueError, match="'fp8' takes"):
             Codec((w, s, f), (bad,), torch.float32)
+
+
+def test_trace_record_takes_an_hf_quantized_checkpoint(tmp_path):
+    """`trace record` takes what offload takes (issue 17): a block-FP8 directory records the
+    same routing as the offloaded model routes."""
+    from tiny_chat import chat_tokenizer
+
+    from expertcache.integrations.record import record, record_trace
+
+    path, _ = write_fp8(tmp_path / "fp8")
+    chat_tokenizer().save_pretrained(path)
+    trace = record_trace(path, "w1 w2 w3 w4", tmp_path / "t.npz", 3)
+    assert trace.phases.tolist() == [0] * 4 + [1] * 2
+    model = expertcache.offload(path, slots=16, device="cpu")
+    ids = torch.tensor([chat_tokenizer()("w1 w2 w3 w4").input_ids])
+    assert np.array_equal(record(model, ids, 3).experts, trace.experts)
