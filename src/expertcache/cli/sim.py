@@ -60,13 +60,13 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    check_output(args.json, "--json")  # a finished sweep must have somewhere to go
+    check_output(args.plot, "--plot")
     from ..sim.hardware import load_hardware
     from ..sim.mrc import OPTIMUM, sweep, sweep_sizes
     from ..sim.replay import Prepared, resolve_policy, slots_for_fraction
     from ..sim.report import document, expert_cost, rows
 
-    check_output(args.json, "--json")  # a finished sweep must have somewhere to go
-    check_output(args.plot, "--plot")
     if args.plot:
         from ..sim.plot import plot_curves  # matplotlib missing: say so before the sweep
     trace = _load(args.trace, args.tokens, args.seed)
