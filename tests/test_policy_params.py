@@ -127,7 +127,10 @@ def test_cache_config_holds_specs_and_stays_json_friendly():
     assert doc["admission_params"] == {"ghost": 64}
     again = CacheConfig(**{k: v for k, v in doc.items()})  # to_dict() rebuilds the same config
     assert again == cfg
-    assert CacheConfig(slots=8, eviction=cfg.eviction) .eviction is cfg.eviction  # no second resolve
+    assert CacheConfig(slots=8, eviction=cfg.eviction).eviction is cfg.eviction  # no second resolve
+    from dataclasses import replace
+    assert replace(cfg, eviction="lru").eviction.params == {}  # slru's parameters do not follow
+    assert replace(cfg, baseline="cpu").effective().admission.name == "never"
 
 
 def test_a_spec_is_looked_up_once(monkeypatch):
