@@ -90,12 +90,12 @@ def sim_notes(trace, table: list[dict]) -> list[str]:
     the policy, not a bug; docs/bench.md)."""
     from ..sim.replay import resolve_policy
 
-    L, k = trace.num_layers, trace.top_k
     lru = {r["slots"]: r["hit_rate"] for r in table if r["policy"] == "lru" and r["admission"] == "always"}
     notes = []
     for r in table:
         if r["policy"] != "slru" or r["hit_rate"] >= lru.get(r["slots"], 0.0):
             continue
+        L, k = trace.num_layers, trace.top_k
         share = resolve_policy(r["label"]).eviction_params["protected"]
         probation = r["slots"] - int(share * r["slots"])  # what slru leaves outside its protected segment
         if probation < L * k:
