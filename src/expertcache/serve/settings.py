@@ -59,7 +59,8 @@ def listen(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on host {host!r}: the name does not resolve "
                          f"({getattr(err, 'strerror', None) or err}); give an address of this machine, "
                          "e.g. 127.0.0.1 or 0.0.0.0") from None
-    family, _, _, _, address = infos[0]
+    # IPv4 first where a name has both (what a plain socket bound before): the printed URL
+    family, _, _, _, address = min(infos, key=lambda info: info[0] != socket.AF_INET)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
