@@ -275,7 +275,7 @@ def test_auto_sends_few_token_experts_to_the_host(reference, ids, monkeypatch):
     """With a cost model whose break-even is 2 tokens, decode misses (1 token each) run on the
     host and the prompt's misses (most experts see several tokens) mostly on the device."""
     from expertcache.runtime import experts as experts_mod
-    from expertcache.sim.costmodel import Hardware
+    from expertcache.costmodel import Hardware
 
     model = offload(copy.deepcopy(reference), slots=3, miss="auto")
     model.expertcache.hardware = Hardware("split", h2d_gbps=1e-9, gpu_mem_gbps=float("inf"),

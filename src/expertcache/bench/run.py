@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..presets import ModelShape
-from ..sim.costmodel import Hardware
+from ..costmodel import Hardware
 from ..sim.replay import Prepared
 from ..trace.format import Trace
 from .live import Inputs, Run, build_cache, pick_clock, run_strategy
@@ -109,7 +109,7 @@ def _hardware(hardware, module, hosts, dev, top_k, progress, clock):
         from .calibrate import calibrate
         progress("calibrating the cost model on this device ...")
         return calibrate(module, hosts, dev, top_k, clock=clock)
-    from ..sim.hardware import load_hardware
+    from ..costmodel.hardware import load_hardware
     hw = load_hardware(hardware)
     return hw, hw
 
@@ -120,7 +120,7 @@ def _empty():
 
 
 def _check_host_memory(shape: BenchShape) -> None:
-    from ..runtime.engine import free_memory
+    from ..runtime.device import free_memory
     free = free_memory(torch.device("cpu"))
     if free is not None and shape.host_bytes > 0.9 * free:
         raise ValueError(f"{shape.layers} layers of experts need {shape.host_bytes / 2**30:.1f} GiB of "

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..integrations.transformers import check_model_path, load_tokenizer, offload
+    from ..integrations.transformers import offload
+    from ..loaders import check_model_path, load_tokenizer
     from ..runtime.generate import format_summary, generate_and_measure
 
     prompt = args.prompt if args.prompt is not None else _read(args.prompt_file)

@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..integrations.transformers import check_model_path, load_tokenizer, offload
+    from ..integrations.transformers import offload
+    from ..loaders import check_model_path, load_tokenizer
 
     try:
         from ..serve.server import Server, ServeSettings

@@ -113,6 +113,16 @@ class GgufModel:
         return sum(self.layer_expert_bytes(b) for b in self.experts) * self.num_experts
 
 
+def is_gguf(path: Path) -> bool:
+    """A .gguf path (existing or not), or any file that starts with the GGUF magic."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    if path.is_file():
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    return False
+
+
 def read_header(path: str | Path) -> GgufModel:
     """Read a GGUF MoE model's header; a clear ValueError for anything expertcache cannot run."""
     paths = split_parts(Path(path))

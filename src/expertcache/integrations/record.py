@@ -37,7 +37,7 @@ def record(model, prompt_ids, max_new_tokens: int, router_logits: bool = False,
     """
     import torch
 
-    from .transformers import find_experts
+    from ..loaders.common import find_experts
 
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.ndim != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"prompt_ids must be a [1, tokens] tensor (one sequence), got "
@@ -114,7 +114,8 @@ def record_trace(model: str | Path, prompt: str, output: str | Path, max_new_tok
                  device: str | None = None, router_logits: bool = False) -> Trace:
     """Load the local checkpoint ``model``, record ``prompt`` plus ``max_new_tokens`` greedy
     tokens, save the trace to ``output`` and return it. Nothing is downloaded."""
-    from .transformers import check_checkpoint_dir, load_checkpoint, load_tokenizer
+    from ..loaders import load_tokenizer
+    from ..loaders.checkpoint import check_checkpoint_dir, load_checkpoint
 
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty")

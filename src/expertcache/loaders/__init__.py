@@ -1,0 +1,58 @@
+"""Loading a model for the cache: its dense part ready to move to the device, its experts
+in the host tier (``runtime/host.py`` builds every host tensor).
+
+Three sources, one result ``(model, [(name, experts module)], [host experts per layer])``:
+
+- ``checkpoint.py``: a transformers checkpoint directory or a model already loaded
+  (float experts taken out of the modules);
+- ``gguf.py``: a GGUF file (the dense part dequantized, the experts kept in their blocks);
+- ``hf_quant.py``: an HF checkpoint with GPT-OSS MXFP4 or block-FP8 experts.
+
+They share ``common.py`` (finding the experts modules, a model built empty), the compute
+dtype (``runtime.device.compute_dtype``) and the host-memory mode
+(``runtime.host.host_mode``). This module only dispatches; it imports torch lazily.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..ggufmodel.header import is_gguf
+
+
+def load(model_or_path, config, device):
+    """``(model, found, hosts)`` for ``offload()``: ``model_or_path`` is a loaded transformers
+    model, a checkpoint directory (float, MXFP4 or block FP8) or a GGUF file."""
+    from .checkpoint import load_checkpoint, take_experts
+
+    if isinstance(model_or_path, (str, Path)):
+        path = Path(model_or_path)
+        if is_gguf(path):
+            from .gguf import load_gguf
+            return load_gguf(path, config, device)[:3]
+        from .hf_quant import QUANT_METHODS, quant_method
+        if quant_method(path) in QUANT_METHODS:
+            from .hf_quant import load_hf_quantized
+            return load_hf_quantized(path, config, device)
+        model_or_path = load_checkpoint(path, config.dtype)
+    return take_experts(model_or_path, config, device)
+
+
+def check_model_path(path: Path) -> None:
+    """Refuse a missing or unusable model early: a GGUF file (header read) or a checkpoint directory."""
+    from ..ggufmodel.header import read_header
+    from .checkpoint import check_checkpoint_dir
+
+    if is_gguf(Path(path)):
+        read_header(path)
+    else:
+        check_checkpoint_dir(Path(path))
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved next to a local checkpoint, or in a GGUF file (nothing is downloaded)."""
+    if is_gguf(Path(path)):
+        from .gguf import load_gguf_tokenizer
+        return load_gguf_tokenizer(Path(path))
+    from .checkpoint import load_dir_tokenizer
+    return load_dir_tokenizer(Path(path))
