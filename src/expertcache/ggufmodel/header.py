@@ -1,6 +1,6 @@
 """A GGUF MoE model's header: architecture, shapes and expert tensors, without loading weights.
 
-Torch-free: ``plan``, ``sim --model`` and the loader share it. gguf-py's ``GGUFReader``
+Torch-free: ``plan``, ``sim --model`` and ``loaders/gguf.py`` share it. gguf-py's ``GGUFReader``
 parses the file (it memory-maps it; tensor data is not read). Split models
 (``name-00001-of-00003.gguf``) are read part by part; every part must be there.
 Expert tensors are ``blk.N.ffn_{gate,up,down}_exps.weight`` (or a fused
