@@ -186,6 +186,11 @@ def test_missing_size_and_bad_settings(reference):
         offload(model, slots=4)
     with _error("transformers model or a checkpoint"):
         offload(42, slots=4)
+    intact = copy.deepcopy(reference)
+    with _error("host_memory='mmap' reads experts from a GGUF file"):  # float experts live in RAM
+        offload(intact, slots=4, host_memory="mmap")
+    from expertcache.loaders.common import find_experts
+    assert find_experts(intact)[0][1].gate_up_proj.shape[0] == 8  # refused before the experts left
 
 
 def test_missing_or_incomplete_checkpoint(reference, tmp_path):

@@ -38,13 +38,13 @@ class BenchResult:
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise ValueError(f"unknown --device {name!r}; use auto, cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
-    return torch.device(name)
+    """``--device``: auto (CUDA when torch sees it), cpu, cuda or cuda:N, as ``offload()`` resolves it."""
+    from ..runtime.device import resolve_device as offload_device
+
+    try:
+        return offload_device(None if name == "auto" else name)
+    except ValueError as err:
+        raise ValueError(f"--device: {err} (or auto)") from None
 
 
 def run_strategies(trace: Trace, model: ModelShape, strategies: list[Strategy], *, scale: float = 1.0,

@@ -23,7 +23,7 @@ from ..ggufmodel.header import is_gguf
 def load(model_or_path, config, device):
     """``(model, found, hosts)`` for ``offload()``: ``model_or_path`` is a loaded transformers
     model, a checkpoint directory (float, MXFP4 or block FP8) or a GGUF file."""
-    from .checkpoint import load_checkpoint, take_experts
+    from .checkpoint import load_dir, take_experts
 
     if isinstance(model_or_path, (str, Path)):
         path = Path(model_or_path)
@@ -34,7 +34,7 @@ def load(model_or_path, config, device):
         if quant_method(path) in QUANT_METHODS:
             from .hf_quant import load_hf_quantized
             return load_hf_quantized(path, config, device)
-        model_or_path = load_checkpoint(path, config.dtype)
+        return load_dir(path, config, device)
     return take_experts(model_or_path, config, device)
 
 

@@ -33,7 +33,17 @@ def load_checkpoint(path: str | Path, dtype: str | None):
         path, dtype=DTYPES[dtype] if dtype else "auto", device_map="cpu", local_files_only=True)
 
 
-def take_experts(model, config: CacheConfig, device: torch.device):
+def load_dir(path: Path, config: CacheConfig, device: torch.device):
+    """(model, found, hosts) of a float checkpoint directory (bad settings refused before loading)."""
+    host = _host_mode(config, device)
+    return take_experts(load_checkpoint(path, config.dtype), config, device, host)
+
+
+def _host_mode(config: CacheConfig, device: torch.device) -> tuple[str, str]:
+    return host_mode(config.host_memory, device, "float expert weights taken from the model")
+
+
+def take_experts(model, config: CacheConfig, device: torch.device, host: tuple[str, str] | None = None):
     """(model, [(name, experts module)], [HostExperts per layer]): ``model``'s experts moved to host memory."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"offload() takes a transformers model or a checkpoint directory (or a GGUF file), "
@@ -46,7 +56,7 @@ def take_experts(model, config: CacheConfig, device: torch.device):
     if getattr(model, "expertcache", None) is not None:
         raise ValueError("this model is already offloaded (model.expertcache exists); load a fresh copy")
     found = find_experts(model)
-    mode, reason = host_mode(config.host_memory, device, "weights taken from the loaded model")
+    mode, reason = host or _host_mode(config, device)
     if config.dtype is not None:
         model.to(DTYPES[config.dtype])
     for name, module in found:

@@ -32,6 +32,8 @@ _INTERLEAVED = {"gpt-oss"}
 def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
     """(model with empty experts modules, [(name, experts module)], [QuantExperts per layer], header)."""
     header = read_header(path)
+    # decided before any tensor is read: host_memory='copy' without the RAM for it fails first
+    mode, reason = host_mode(config.host_memory, device, "GGUF experts", header.experts_bytes)
     dtype = compute_dtype(config.dtype, device)
     hf_config = _hf_config(header)
     model = empty_model(hf_config, dtype)
@@ -40,7 +42,6 @@ def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
     if len(found) != len(header.moe_blocks):
         raise ValueError(f"{header.paths[0].name}: the model has {len(found)} MoE layers but the file "
                          f"has experts in {len(header.moe_blocks)} blocks")
-    mode, reason = host_mode(config.host_memory, device, "GGUF experts", header.experts_bytes)
     hosts = [QuantExperts(_part_tensors(header.experts[block], mode),
                           expert_codec(header.experts[block], header.arch, dtype), mode, reason)
              for block in header.moe_blocks]
