@@ -106,8 +106,9 @@ from expertcache.decode_phases import ms_per_token, steady_start  # noqa: E402
 from expertcache.quant.formats import quant_format  # noqa: E402
 from expertcache.runtime import experts as experts_mod  # noqa: E402
 from expertcache.runtime.engine import ExpertCache  # noqa: E402
+from expertcache.runtime.host import resident  # noqa: E402
 from expertcache.runtime.quantized import Codec, Kind, Part, QuantExperts  # noqa: E402
-from expertcache.sim.costmodel import ExpertCost, token_time  # noqa: E402
+from expertcache.costmodel import ExpertCost, token_time  # noqa: E402
 from expertcache.sim.replay import Prepared, replay, resolve_policy  # noqa: E402
 from expertcache.stats import DECODE  # noqa: E402
 
@@ -137,7 +138,7 @@ def q4k_hosts(codec: Codec, layers: int, experts: int, seed: int, pin: bool) -> 
             rows, cols = p.shape
             blocks = random_blocks(p.fmt, experts * rows, cols, rng)  # [E*rows, row_bytes]
             t = torch.from_numpy(blocks.reshape(experts, p.nbytes))
-            tensors[p.name] = t.pin_memory() if pin else t
+            tensors[p.name] = resident(t, "pinned" if pin else "copy")
         hosts.append(QuantExperts(tensors, codec, "pinned" if pin else "copy",
                                   "bench: random Q4_K/Q6_K blocks built in RAM"))
     return hosts

@@ -69,7 +69,9 @@ def save_model(path: Path, seed: int = 0) -> None:
 class OurServer:
     def __init__(self, path: Path, cached: bool) -> None:
         from expertcache.config import CacheConfig
-        from expertcache.integrations.transformers import load_checkpoint, load_tokenizer, offload
+        from expertcache.integrations.transformers import offload
+        from expertcache.loaders import load_tokenizer
+        from expertcache.loaders.checkpoint import load_checkpoint
         from expertcache.serve import Server, ServeSettings
 
         tokenizer = load_tokenizer(path)

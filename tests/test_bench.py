@@ -20,7 +20,7 @@ from expertcache.bench.strategies import Strategy, plan
 from expertcache.bench.workload import cut, load_workload
 from expertcache.cli import main
 from expertcache.presets import preset
-from expertcache.sim.costmodel import Hardware
+from expertcache.costmodel import Hardware
 from expertcache.sim.replay import replay
 from expertcache.stats import DECODE
 from expertcache.trace.synth import synth_trace

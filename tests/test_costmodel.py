@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from expertcache.sim.costmodel import (ExpertCost, Hardware, bytes_moved, chosen_path, miss_times,
-                                       token_time, tokens_per_second)
-from expertcache.sim.hardware import PRESETS, cpu_mem_gbps, load_hardware, probe, save_profile
+from expertcache.costmodel import (ExpertCost, Hardware, bytes_moved, chosen_path, miss_times,
+                                   token_time, tokens_per_second)
+from expertcache.costmodel.hardware import PRESETS, cpu_mem_gbps, load_hardware, probe, save_profile
 from expertcache.sim.report import expert_cost
 from expertcache.trace import Trace
 
@@ -95,7 +95,7 @@ def test_expert_cost_from_meta_argument_or_preset():
 
 
 def test_quantized_experts_pay_dequantization_where_the_format_says():
-    from expertcache.sim.costmodel import ExpertCost, Hardware, miss_times
+    from expertcache.costmodel import ExpertCost, Hardware, miss_times
 
     params = 3 * 2048 * 768
     q4k = ExpertCost(3 * 768 * 2048 // 256 * 144, 2.0 * params, compute_bytes=2 * params)

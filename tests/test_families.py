@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
 from expertcache.integrations.transformers import offload  # noqa: E402
-from expertcache.sim.costmodel import Hardware  # noqa: E402
+from expertcache.costmodel import Hardware  # noqa: E402
 
 NEW_TOKENS = 6
 
@@ -71,7 +71,7 @@ def test_cached_equals_uncached(family, label, kwargs):
 def test_the_families_exercise_the_unusual_layouts(family):
     """The equality tests above mean most where a family's layout differs from Mixtral's: the
     tiny models must really have them (a config change could quietly drop one)."""
-    from expertcache.integrations.transformers import find_experts
+    from expertcache.loaders.common import find_experts
 
     name, model = family[0], family[1]
     experts = find_experts(model)

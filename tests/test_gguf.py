@@ -135,7 +135,7 @@ def test_split_gguf_equals_single_file(tmp_path):
 
 def test_tokenizer_from_the_gguf(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0")
-    from expertcache.integrations.transformers import load_tokenizer
+    from expertcache.loaders import load_tokenizer
 
     tok = load_tokenizer(path)
     ids = tok("the cat").input_ids

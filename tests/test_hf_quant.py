@@ -219,7 +219,7 @@ def test_mxfp4_repack_is_lossless():
 def test_mxfp4_repacked_in_chunks(tmp_path, monkeypatch):
     """Experts are repacked a few at a time (bounded extra memory); the chunking changes no byte."""
     from expertcache.config import CacheConfig
-    from expertcache.integrations import hf_quant
+    from expertcache.loaders import hf_quant
 
     path = write_gpt_oss_mxfp4(tmp_path)
     _, _, whole = hf_quant.load_hf_quantized(path, CacheConfig(slots=6), torch.device("cpu"))

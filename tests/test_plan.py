@@ -10,8 +10,7 @@ import pytest
 
 import expertcache
 from expertcache.cli import main
-from expertcache.sim.expertsize import model_experts
-from expertcache.sim.hardware import load_hardware
+from expertcache.costmodel import load_hardware, model_experts
 from expertcache.sim.plan import plan, pool_slots
 from gguf_models import write_gguf
 
@@ -33,6 +32,28 @@ def test_plan_slots_equal_the_runtime_sizing(tmp_path):
     for fmt in ("quantized", "dequantized"):
         live = expertcache.offload(path, gpu_memory=budget, slot_format=fmt).expertcache
         assert pool_slots(model, budget, fmt) == live.pool.slots, fmt
+
+
+def test_plan_promises_the_slots_the_run_builds(tmp_path):
+    """The plan sizes slots as the run will: the device's compute dtype (float32 on the CPU,
+    where plan once sized bf16 and promised twice the slots) and slot format, its staging."""
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q4_0", experts=32)
+    out, budget = tmp_path / "plan.json", "8MiB"
+    assert main(["plan", str(path), "--gpu-memory", budget, "--device", "cpu", "--json", str(out)]) == 0
+    planned = json.loads(out.read_text())
+    fmt = planned["run_slot_format"]
+    assert (planned["device"], planned["compute_dtype"], fmt) == ("cpu", "float32", "dequantized")
+    model = model_experts(str(path), compute_dtype=planned["compute_dtype"])
+    for miss in ("fetch", "cpu"):  # misses on the CPU keep no staging slots: more cache slots
+        live = expertcache.offload(path, gpu_memory=budget, device="cpu", miss=miss).expertcache
+        assert live.slot_format == fmt and live.pool.slots == pool_slots(model, 8 * 2 ** 20, fmt, miss)
+        assert live.pool.slots < live.num_layers * live.num_experts  # sized by the budget, not capped
+        if miss == "fetch":
+            assert planned["slots"][fmt] == live.pool.slots
+    assert main(["plan", str(path), "--gpu-memory", budget, "--json", str(out)]) == 0
+    import torch
+
+    assert json.loads(out.read_text())["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_plan_ranks_configurations_and_recommends_the_fastest(tmp_path):

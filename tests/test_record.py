@@ -156,7 +156,7 @@ def test_record_takes_a_gguf_file_like_offload(tmp_path, capsys):
     trace = load_trace(out)
     assert trace.num_tokens >= 4 and (trace.phases == 1).sum() == 2  # 3 new tokens: 2 decode forwards
     model = offload(gg, slots=trace.num_layers * trace.top_k, eviction="lru", device="cpu")
-    from expertcache.integrations.transformers import load_tokenizer
+    from expertcache.loaders import load_tokenizer
     ids = load_tokenizer(gg)("a b c d", return_tensors="pt").input_ids
     again = record(model, ids, 3)
     assert np.array_equal(again.experts, trace.experts)

@@ -186,6 +186,11 @@ def test_missing_size_and_bad_settings(reference):
         offload(model, slots=4)
     with _error("transformers model or a checkpoint"):
         offload(42, slots=4)
+    intact = copy.deepcopy(reference)
+    with _error("host_memory='mmap' reads experts from a GGUF file"):  # float experts live in RAM
+        offload(intact, slots=4, host_memory="mmap")
+    from expertcache.loaders.common import find_experts
+    assert find_experts(intact)[0][1].gate_up_proj.shape[0] == 8  # refused before the experts left
 
 
 def test_missing_or_incomplete_checkpoint(reference, tmp_path):
@@ -275,7 +280,7 @@ def test_auto_sends_few_token_experts_to_the_host(reference, ids, monkeypatch):
     """With a cost model whose break-even is 2 tokens, decode misses (1 token each) run on the
     host and the prompt's misses (most experts see several tokens) mostly on the device."""
     from expertcache.runtime import experts as experts_mod
-    from expertcache.sim.costmodel import Hardware
+    from expertcache.costmodel import Hardware
 
     model = offload(copy.deepcopy(reference), slots=3, miss="auto")
     model.expertcache.hardware = Hardware("split", h2d_gbps=1e-9, gpu_mem_gbps=float("inf"),

@@ -1,6 +1,6 @@
 """Measure this device's rates for the cost model, with the runtime's own code.
 
-``sim.costmodel`` predicts a token from per-expert times: a hit (expert math from
+``costmodel`` predicts a token from per-expert times: a hit (expert math from
 the slot pool), a fetch (copy into a slot, then the math) and a CPU miss (math on
 host weights), plus a fixed cost per MoE layer. Spec-sheet rates do not describe
 a batch-1 expert on a 2-core VM, so the bench measures each rate at the bench's
@@ -27,7 +27,7 @@ import torch
 
 from ..runtime.compute import grouped_over_slots, one_expert
 from ..runtime.slots import SlotPool
-from ..sim.costmodel import Hardware
+from ..costmodel import Hardware
 
 _POOL_BYTES = 256 * 2 ** 20  # distinct experts cycled through: beyond L2, like a real run
 

@@ -62,7 +62,7 @@ def run_demo(out: str | Path = "demo-out", *, tokens: int = 160, layers: int = 4
 def sim_part(trace, out: Path, workers: int | None = None) -> list[dict]:
     """Replay the policies at each fraction; draw the curves, save JSON, return the rows."""
     from ..policies.registry import eviction_policies
-    from ..sim.hardware import load_hardware
+    from ..costmodel.hardware import load_hardware
     from ..sim.mrc import sweep
     from ..sim.plot import plot_curves
     from ..sim.replay import Prepared, slots_for_fraction

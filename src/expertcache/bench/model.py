@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..presets import ModelShape
-from ..runtime.host import HostExperts
+from ..runtime.host import HostExperts, resident
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -98,9 +98,9 @@ def host_experts(shape: BenchShape, seed: int = 0, pin: bool = False) -> list[Ho
     for _ in range(shape.layers):
         up = _uniform((E, 2 * I, H), 3 ** 0.5 / H ** 0.5, shape.torch_dtype, gen)
         down = _uniform((E, H, I), 3 ** 0.5 / I ** 0.5, shape.torch_dtype, gen)
-        if pin:
-            up, down = up.pin_memory(), down.pin_memory()
-        hosts.append(HostExperts({"gate_up_proj": up, "down_proj": down}))
+        mode = "pinned" if pin else "copy"
+        hosts.append(HostExperts({"gate_up_proj": resident(up, mode), "down_proj": resident(down, mode)},
+                                 mode=mode, mode_reason="random benchmark experts"))
     return hosts
 
 

@@ -11,7 +11,7 @@ import os
 import platform
 
 from ..decode_phases import ms_per_token, steady_blocks
-from ..sim.costmodel import ExpertCost, Hardware, token_time
+from ..costmodel import ExpertCost, Hardware, token_time
 from .strategies import OPTIMUM
 
 

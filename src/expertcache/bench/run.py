@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..presets import ModelShape
-from ..sim.costmodel import Hardware
+from ..costmodel import Hardware
 from ..sim.replay import Prepared
 from ..trace.format import Trace
 from .live import Inputs, Run, build_cache, pick_clock, run_strategy
@@ -38,13 +38,13 @@ class BenchResult:
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise ValueError(f"unknown --device {name!r}; use auto, cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu or auto")
-    return torch.device(name)
+    """``--device``: auto (CUDA when torch sees it), cpu, cuda or cuda:N, as ``offload()`` resolves it."""
+    from ..runtime.device import resolve_device as offload_device
+
+    try:
+        return offload_device(None if name == "auto" else name)
+    except ValueError as err:
+        raise ValueError(f"--device: {err} (or auto)") from None
 
 
 def run_strategies(trace: Trace, model: ModelShape, strategies: list[Strategy], *, scale: float = 1.0,
@@ -109,7 +109,7 @@ def _hardware(hardware, module, hosts, dev, top_k, progress, clock):
         from .calibrate import calibrate
         progress("calibrating the cost model on this device ...")
         return calibrate(module, hosts, dev, top_k, clock=clock)
-    from ..sim.hardware import load_hardware
+    from ..costmodel.hardware import load_hardware
     hw = load_hardware(hardware)
     return hw, hw
 
@@ -120,7 +120,7 @@ def _empty():
 
 
 def _check_host_memory(shape: BenchShape) -> None:
-    from ..runtime.engine import free_memory
+    from ..runtime.device import free_memory
     free = free_memory(torch.device("cpu"))
     if free is not None and shape.host_bytes > 0.9 * free:
         raise ValueError(f"{shape.layers} layers of experts need {shape.host_bytes / 2**30:.1f} GiB of "

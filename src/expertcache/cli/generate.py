@@ -39,8 +39,8 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
 
-    from ..integrations.transformers import (check_cache_size, check_model_path, load_tokenizer,
-                                             model_context, offload)
+    from ..integrations.transformers import offload
+    from ..loaders import check_cache_size, check_model_path, load_tokenizer, model_context
     from ..runtime.generate import ContextError, check_context, encode, format_summary, generate_and_measure
 
     check_model_path(Path(args.model))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from ..config import PARTITIONS
+    from ..config import DTYPES, PARTITIONS
 
     p = sub.add_parser("plan", help="before loading: slots per slot format, predicted tok/s, a recommendation",
                        description="Reads only the model's header (a GGUF file, or a preset name with --quant) "
@@ -26,25 +26,30 @@ def add_parser(sub) -> None:
     p.add_argument("--partition", default="global", choices=PARTITIONS)
     p.add_argument("--hardware", default="pcie4-consumer",
                    help="cost-model profile: pcie4-consumer, pcie5-consumer, h200, or 'expertcache probe' JSON")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="where the run goes: sizes slots in its default "
+                   "compute dtype and slot format (default: cuda when this machine has a GPU driver)")
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype of the run (default: bfloat16 on cuda, "
+                   "float32 on cpu, as the run's)")
     p.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..sim.expertsize import model_experts
-    from .paths import check_output
-    from ..sim.hardware import load_hardware
+    from ..costmodel import default_dtype, load_hardware, model_experts
+    from ..costmodel.hardware import local_device
     from ..sim.plan import default_trace, plan
+    from .paths import check_output
     from ..sim.replay import resolve_policy
 
     check_output(args.json, "--json")
     # resolved once: unknown names and bad parameters fail before any work, and the specs
     # themselves go on to the replays
     policies = [resolve_policy(p) for p in args.policy.split(",") if p.strip()]
-    model = model_experts(args.model, args.quant)
+    device = args.device or local_device()
+    model = model_experts(args.model, args.quant, compute_dtype=args.dtype or default_dtype(device))
     hw = load_hardware(args.hardware)
     trace, why = _trace(args, model) if args.trace else default_trace(model, args.tokens)
-    result = plan(model, args.gpu_memory, hw, trace, policies, args.partition)
+    result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device)
     _print(result, why)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -74,10 +79,12 @@ def _print(result: dict, why: str) -> None:
     console.print(f"{result['model']}: {result['layers']} MoE layers x {result['experts']} experts, "
                   f"top-{result['top_k']}; experts {result['quant']}, "
                   f"{format_size(result['expert_bytes'])} stored, {format_size(result['compute_bytes'])} "
-                  f"in bf16; budget {format_size(result['gpu_memory'])}, hardware {result['hardware']}")
+                  f"in {result['compute_dtype']}; budget {format_size(result['gpu_memory'])}, "
+                  f"hardware {result['hardware']}; sized for a run on {result['device']}")
     for fmt, slots in result["slots"].items():
         console.print(f"  {fmt} slots: {slots} of {total} experts ({slots / total:.1%})"
-                      + ("  - below top-k, cannot run" if slots < result["top_k"] else ""))
+                      + ("  - below top-k, cannot run" if slots < result["top_k"] else "")
+                      + ("  (the run's default)" if fmt == result["run_slot_format"] else ""))
     console.print(f"hit rates from: {why}")
     t = Table(title_justify="left")
     t.caption = "tok/s: cost model, MoE part only (dense layers and overheads not counted): compare rows"

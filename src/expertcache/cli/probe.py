@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..sim.hardware import probe, save_profile
+    from ..costmodel.hardware import probe, save_profile
 
     if args.seconds <= 0:
         raise ValueError(f"--seconds must be positive, got {args.seconds}")

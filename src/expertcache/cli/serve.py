@@ -48,7 +48,8 @@ def run(args) -> int:
         except ImportError as err:  # the web stack is an optional extra
             raise ValueError(f"expertcache serve needs the 'serve' extra: pip install 'expertcache[serve]' "
                              f"({err.name or err} is missing)") from None
-        from ..integrations.transformers import check_cache_size, check_model_path, load_tokenizer, offload
+        from ..integrations.transformers import offload
+        from ..loaders import check_cache_size, check_model_path, load_tokenizer
 
         check_model_path(Path(args.model))
         check_cache_size(Path(args.model), config)

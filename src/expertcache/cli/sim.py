@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     check_output(args.json, "--json")  # a finished sweep must have somewhere to go
     check_output(args.plot, "--plot")
-    from ..sim.hardware import load_hardware
+    from ..costmodel.hardware import load_hardware
     from ..sim.mrc import OPTIMUM, sweep, sweep_sizes
     from ..sim.replay import Prepared, resolve_policy, slots_for_fraction
     from ..sim.report import document, expert_cost, rows
@@ -85,7 +85,7 @@ def run(args) -> int:
         slots = [slots_for_fraction(trace, f) for f in fractions]
     prep = Prepared(trace, None if args.steps == "auto" else args.steps)
     if args.imatrix:  # placement changes every replay, so no shared sweep kernels
-        from ..imatrix.simulate import imatrix_replays
+        from ..sim.imatrix import imatrix_replays
         results = imatrix_replays(prep, specs, slots, args.partition, args.imatrix,
                                   args.imatrix_mode, args.imatrix_slots)
     else:

@@ -1,1 +1,1 @@
-"""GGUF MoE models: header (torch-free) and loader."""
+"""GGUF MoE files: the header (torch-free). Loading one is ``loaders/gguf.py``."""

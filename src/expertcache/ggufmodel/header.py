@@ -1,6 +1,6 @@
 """A GGUF MoE model's header: architecture, shapes and expert tensors, without loading weights.
 
-Torch-free: ``plan``, ``sim --model`` and the loader share it. gguf-py's ``GGUFReader``
+Torch-free: ``plan``, ``sim --model`` and ``loaders/gguf.py`` share it. gguf-py's ``GGUFReader``
 parses the file (it memory-maps it; tensor data is not read). Split models
 (``name-00001-of-00003.gguf``) are read part by part; every part must be there.
 Expert tensors are ``blk.N.ffn_{gate,up,down}_exps.weight`` (or a fused
@@ -111,6 +111,16 @@ class GgufModel:
     def experts_bytes(self) -> int:
         """All routed experts of the model: what the host tier holds."""
         return sum(self.layer_expert_bytes(b) for b in self.experts) * self.num_experts
+
+
+def is_gguf(path: Path) -> bool:
+    """A .gguf path (existing or not), or any file that starts with the GGUF magic."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    if path.is_file():
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    return False
 
 
 def read_header(path: str | Path) -> GgufModel:

@@ -37,7 +37,7 @@ def record(model, prompt_ids, max_new_tokens: int, router_logits: bool = False,
     """
     import torch
 
-    from .transformers import find_experts
+    from ..loaders.common import find_experts
 
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.ndim != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"prompt_ids must be a [1, tokens] tensor (one sequence), got "
@@ -118,7 +118,9 @@ def record_trace(model: str | Path, prompt: str, output: str | Path, max_new_tok
 
     Quantized models load through ``offload`` with nothing cached (their experts stay
     quantized on the host): the routing is the model's own, whichever way experts run."""
-    from .transformers import check_model_path, load_checkpoint, load_tokenizer, model_kind, offload
+    from ..loaders import check_model_path, load_tokenizer, model_kind
+    from ..loaders.checkpoint import load_checkpoint
+    from .transformers import offload
 
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty")

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 
 from ..cache import SlotTable
-from ..imatrix.apply import place
 from ..config import CacheConfig
-from ..sim.costmodel import (ExpertCost, Hardware, pool_extra_bytes, prefer_cpu, scratch_experts,
-                             slots_in_budget)
-from ..sim.hardware import DEFAULT, PRESETS
+from ..costmodel import (DEFAULT, PRESETS, ExpertCost, Hardware, PoolSizing, prefer_cpu, resolve_slot_format,
+                         staging_slots)
+from ..costmodel.pool import cap_slots
+from ..imatrix.apply import place
 from ..sizes import format_size
 from ..stats import DECODE, PREFILL
+from .device import free_memory
 from .host import HostExperts
 from .slots import SlotPool
 from .stats import LiveStats
@@ -30,15 +31,19 @@ class ExpertCache:
         # bytes one load moves (quantized: the stored bytes; the largest layer's if types differ)
         self.expert_bytes = max(host.expert_bytes for host in hosts)
         self.codec = hosts[0].codec
-        self.slot_format = _slot_format(config.slot_format, self.codec, self.device)
+        # the slot format, resolved once; the compute dtype came with the hosts (loaders/)
+        self.slot_format = resolve_slot_format(config.slot_format, self.codec is not None, self.device.type)
         self.miss, self.hardware = run.miss, hardware or PRESETS[DEFAULT]
         self.cost = self._expert_cost(hosts[0])
+        # what the pool's slots, staging and scratch take: the same object plan sizes with
+        self.sizing = PoolSizing(self.cost, self.slot_format, top_k,
+                                 0 if run.baseline == "resident" else staging_slots(run.miss, run.staging, top_k))
         slots, pool_slots, staging = self._size(run)
         self.table = SlotTable(self.num_layers, self.num_experts, slots, eviction=run.eviction,
                                admission=run.admission, partition=run.partition, top_k=top_k)
         self.pool = SlotPool(hosts[0].layout() if self.codec is None else {}, pool_slots, staging, self.device,
                              None if self.codec is None else [h.codec for h in hosts], self.slot_format,
-                             self._scratch(staging))
+                             self.sizing.scratch_experts)
         self.h2d = [[0] * self.num_layers for _ in range(2)]  # [phase][layer] bytes
         self.phase: int | None = None  # set per forward by the model's pre-hook
         self.model = None  # set by offload(): report() reads the model's forward clock
@@ -56,47 +61,32 @@ class ExpertCache:
     # -- sizing -----------------------------------------------------------------
     def _size(self, run: CacheConfig) -> tuple[int, int, int]:
         """(table slots, pool cache slots, staging slots) for this configuration."""
-        L, E, k = self.num_layers, self.num_experts, self.top_k
-        each = self.cost.slot_bytes(self.slot_format)
+        L, E, k, sizing = self.num_layers, self.num_experts, self.top_k, self.sizing
+        staging = sizing.staging
         if run.baseline == "resident":
-            self._check_free(L * E * each + self._scratch_bytes(0),
-                             "baseline 'resident' (every expert on the device)")
+            self._check_free(sizing.device_bytes(L * E), "baseline 'resident' (every expert on the device)")
             return L * E, L * E, 0
-        staging = 0 if run.miss == "cpu" else (run.staging or k)
         if run.admission.name == "never":  # nothing is ever cached (baselines cpu, copy-every-pass):
             # the table only counts accesses; the pool keeps just the staging slots
-            self._check_free(staging * each + self._scratch_bytes(staging), f"{staging} staging slots")
+            self._check_free(sizing.device_bytes(0), f"{staging} staging slots")
             return (k * L if run.partition == "per-layer" else k), 0, staging
-        slots = run.slots if run.gpu_memory is None else self._slots_in_budget(run, staging)
-        slots = min(slots, L * E)  # more slots than experts would only waste memory
-        if run.partition == "per-layer":
-            slots = min(slots // L, E) * L or slots  # whole slots per layer; the table checks the rest
-        self._check_free((slots + staging) * each + self._scratch_bytes(staging),
-                         f"a pool of {slots}+{staging} slots")
+        slots = cap_slots(run.slots if run.gpu_memory is None else self._slots_in_budget(run), L, E, run.partition)
+        self._check_free(sizing.device_bytes(slots), f"a pool of {slots}+{staging} slots")
         return slots, slots, staging
 
-    def _scratch(self, staging: int) -> int:
-        return scratch_experts(self.slot_format, self.top_k, staging)
-
-    def _scratch_bytes(self, staging: int) -> int:
-        """Device bytes besides the slots: the dequantization scratch, or one expert's landing buffer."""
-        return pool_extra_bytes(self.cost, self.slot_format, self._scratch(staging))
-
-    def _slots_in_budget(self, run: CacheConfig, staging: int) -> int:
+    def _slots_in_budget(self, run: CacheConfig) -> int:
         """Cache slots that fit ``gpu_memory`` next to the staging slots and the scratch."""
-        budget, k = run.gpu_memory_bytes, self.top_k
-        each = self.cost.slot_bytes(self.slot_format)
+        budget, k, sizing = run.gpu_memory_bytes, self.top_k, self.sizing
         self._check_free(budget, f"gpu_memory={run.gpu_memory!r}")
-        extra = self._scratch_bytes(staging)
-        slots = slots_in_budget(budget, self.cost, self.slot_format, staging, self._scratch(staging))
+        slots, extra = sizing.slots_in(budget), sizing.extra_bytes
         per_layer = run.partition == "per-layer"
         need = k * (self.num_layers if per_layer else 1)
         if slots < need:
             raise ValueError(f"capacity below top-k: gpu_memory={run.gpu_memory!r} holds {max(slots, 0)} "
-                             f"experts of {format_size(each)} after {staging} staging slots"
+                             f"experts of {format_size(sizing.slot_bytes)} after {sizing.staging} staging slots"
                              f"{f' and {format_size(extra)} of scratch' if extra else ''}, "
                              f"but a step needs {k} per {'layer' if per_layer else 'pool'}; give at least "
-                             f"{format_size((need + staging) * each + extra)}")
+                             f"{format_size(sizing.device_bytes(need))}")
         return slots
 
     def _check_free(self, nbytes: int, what: str) -> None:
@@ -142,7 +132,7 @@ class ExpertCache:
     def stats(self) -> LiveStats:
         mode, reason = self.host_mode
         return LiveStats(self.table.stats(), self.h2d, {
-            "slot_format": self.slot_format, "bytes_per_slot": self.cost.slot_bytes(self.slot_format),
+            "slot_format": self.slot_format, "bytes_per_slot": self.sizing.slot_bytes,
             "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason})
 
     def reset_stats(self) -> None:
@@ -169,7 +159,7 @@ class ExpertCache:
                 "slots": self.pool.slots, "staging": self.pool.staging,
                 "slot_bytes": self.slot_bytes, "expert_bytes": self.expert_bytes,
                 "slot_format": self.slot_format, "scratch_bytes": self.pool.scratch_bytes,
-                "bytes_per_slot": self.cost.slot_bytes(self.slot_format),
+                "bytes_per_slot": self.sizing.slot_bytes,
                 "quant": None if self.codec is None else sorted({p.fmt.name for h in self.hosts
                                                                  for p in h.codec.parts}),
                 "host_memory": mode, "host_memory_reason": reason,
@@ -181,34 +171,3 @@ class ExpertCache:
                 f"({self.slot_format}) on {self.device}, {self.config.eviction}+{self.config.admission}, "
                 f"miss={self.miss}, host {self.host_mode[0]})")
 
-
-def free_memory(device: torch.device) -> int | None:
-    """Free bytes on the device (host: MemAvailable); None when it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as fh:
-                for line in fh:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-    return None
-
-
-def _slot_format(choice: str, codec, device: torch.device) -> str:
-    """'plain' for float experts; for quantized ones the choice, 'auto' by device.
-
-    'auto': quantized slots on a GPU (dequantizing a few MiB per use is memory bound,
-    microseconds, and the pool holds 3-4x more experts), dequantized slots on the
-    host (dequantizing per use costs more than the expert math there: docs/quantized.md).
-    """
-    if codec is None:
-        if choice not in ("auto", "dequantized"):
-            raise ValueError(f"slot_format={choice!r} is for quantized experts; this model's experts are "
-                             "already in a float dtype (use the default 'auto')")
-        return "plain"
-    if choice != "auto":
-        return choice
-    return "quantized" if device.type == "cuda" else "dequantized"

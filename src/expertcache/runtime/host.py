@@ -1,13 +1,22 @@
-"""Expert weights in host RAM: one tensor per weight kind ``[E, ...]`` per MoE layer.
+"""Expert weights in host memory: the only code that builds the host tier's tensors.
 
-The weights are taken out of a transformers experts module (its parameters are
-deleted, so moving the model to the device leaves them behind) and pinned when CUDA
-is present, which makes slot loads true asynchronous DMA copies.
+Every loader (``loaders/``) and the benchmark hand their expert tensors here:
+``host_mode`` decides where the bytes live ('pinned' with a CUDA device, which makes
+slot loads true asynchronous DMA copies; 'copy' in plain RAM; 'mmap' a GGUF file's
+own bytes, the OS page cache being the middle tier), ``resident`` and ``file_bytes``
+build them so. ``HostExperts`` holds one MoE layer of float experts, ``[E, ...]`` per
+weight kind, taken out of a transformers experts module (its parameters are deleted,
+so moving the model to the device leaves them behind); ``runtime/quantized.py`` has
+the quantized twin.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from ..sizes import format_size
+from .device import free_memory
 
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
         if hasattr(torch, n)}
@@ -28,7 +37,7 @@ def check_layout(module: torch.nn.Module, where: str) -> None:
     names = [n for n, _ in module.named_parameters(recurse=False)] + \
             [n for n, _ in module.named_buffers(recurse=False)]
     # quantized experts are read from the checkpoint, not taken from a loaded model (whose
-    # kernels may have swizzled them): integrations/hf_quant.py
+    # kernels may have swizzled them): loaders/hf_quant.py
     if any(n.endswith(("_scale_inv", "weight_scale")) for n in names):
         raise ValueError(f"{where}: FP8-quantised experts ({', '.join(sorted(names))}) cannot be taken from a "
                          "loaded model; pass the checkpoint directory to offload() (block FP8 stays quantized "
@@ -57,6 +66,52 @@ def check_layout(module: torch.nn.Module, where: str) -> None:
                              "load the checkpoint fully before offloading")
 
 
+def host_mode(choice: str, device: torch.device, what: str, file_bytes: int | None = None) -> tuple[str, str]:
+    """Where expert bytes live on the host ('pinned', 'copy' or 'mmap') and why.
+
+    ``choice`` is ``CacheConfig.host_memory``; ``what`` names the experts in the reason.
+    Only a file's own bytes (``file_bytes``: their size; GGUF) can stay memory-mapped.
+    """
+    cuda = device.type == "cuda"
+    if file_bytes is None:
+        if choice == "mmap":
+            raise ValueError(f"host_memory='mmap' reads experts from a GGUF file; these are {what}, held "
+                             "in RAM (use 'auto' or 'copy')")
+        return ("pinned", f"{what}; pinned for DMA") if cuda else ("copy", what)
+    free = free_memory(torch.device("cpu"))
+    need = f"the experts take {format_size(file_bytes)}"
+    have = "unknown" if free is None else format_size(free)
+    if choice == "mmap":
+        return "mmap", f"host_memory='mmap' asked for; {need}, read through the OS page cache"
+    if choice == "copy":
+        if free is not None and file_bytes > free:
+            raise ValueError(f"host_memory='copy': {need} but only {have} of RAM is free; use "
+                             "host_memory='mmap' (the OS page cache then holds what fits)")
+        return ("pinned" if cuda else "copy"), f"host_memory='copy' asked for; {need}"
+    if not cuda:
+        return "mmap", (f"no CUDA device, so nothing to pin: the slot pool copies straight from the "
+                        f"memory-mapped file ({need})")
+    if free is not None and file_bytes > 0.8 * free:
+        return "mmap", (f"{need}, more than 80% of the {have} of free RAM: read from the memory-mapped "
+                        "file, the OS page cache is the middle tier")
+    return "pinned", f"{need} and fit in the {have} of free RAM: pinned copies, full-speed DMA"
+
+
+def resident(data: torch.Tensor, mode: str) -> torch.Tensor:
+    """``data`` (any device) as a contiguous host tensor, page-locked when ``mode`` is 'pinned'."""
+    data = data.detach().to("cpu").contiguous()
+    return data.pin_memory() if mode == "pinned" else data  # pin_memory() raises on CPU-only torch
+
+
+def file_bytes(file, offset: int, experts: int, nbytes: int, mode: str) -> torch.Tensor:
+    """``[E, nbytes]`` uint8 from a file: a view of it ('mmap'), or read into RAM ('copy', 'pinned')."""
+    # copy-on-write mapping: torch gets a writable view without reading or copying the file
+    view = torch.from_numpy(np.memmap(file, dtype=np.uint8, mode="c", offset=offset, shape=(experts, nbytes)))
+    if mode == "mmap":
+        return view
+    return view.pin_memory() if mode == "pinned" else view.clone()
+
+
 class HostExperts:
     """One MoE layer's experts in host memory: ``tensors[kind]`` is ``[E, ...]``.
 
@@ -65,27 +120,26 @@ class HostExperts:
     """
 
     codec = None          # quantized hosts carry how their bytes become compute weights
-    mode = "copy"         # where the host bytes live (quantized hosts may read an mmap)
-    mode_reason = "weights taken from the loaded model"
 
-    def __init__(self, tensors: dict[str, torch.Tensor], transposed: bool = False) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], transposed: bool = False, mode: str = "copy",
+                 mode_reason: str = "weights taken from the loaded model") -> None:
         self.tensors = tensors
         self.transposed = transposed  # GPT-OSS stores [in, out]; the math follows the host
+        self.mode, self.mode_reason = mode, mode_reason  # where the host bytes live, and why
         self.num_experts = next(iter(tensors.values())).shape[0]
         # bytes one expert occupies over all kinds: what a slot load moves over PCIe
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in tensors.values())
 
     @classmethod
-    def take(cls, module: torch.nn.Module, pin: bool) -> HostExperts:
-        """Move ``module``'s expert weights to host memory and delete them from the module."""
+    def take(cls, module: torch.nn.Module, mode: str = "copy", reason: str = "weights taken from the loaded model"
+             ) -> HostExperts:
+        """Move ``module``'s expert weights to host memory (``mode``: 'copy' or 'pinned') and
+        delete them from the module."""
         tensors = {}
         for kind in expert_kinds(module):
-            data = getattr(module, kind).detach().to("cpu").contiguous()
-            if pin:  # pin_memory() raises on CPU-only torch, hence the flag
-                data = data.pin_memory()
-            tensors[kind] = data
+            tensors[kind] = resident(getattr(module, kind), mode)
             delattr(module, kind)
-        return cls(tensors, transposed=getattr(module, "is_transposed", False))
+        return cls(tensors, getattr(module, "is_transposed", False), mode, reason)
 
     def restore(self, module: torch.nn.Module) -> None:
         """Put the weights back into ``module`` as parameters (undo ``take``)."""

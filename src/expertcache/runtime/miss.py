@@ -5,7 +5,7 @@
 - ``cpu``: compute it on the host weights while the device works on the hits; a
   planned load is still copied into its slot (asynchronously) for later hits.
 - ``auto``: per missed expert, whichever of the two the cost model
-  (``sim/costmodel.py``, the simulator's) says is cheaper for the number of tokens
+  (``costmodel/``, the simulator's too) says is cheaper for the number of tokens
   routed to it (Fiddler: transfer pays off only when enough tokens use the expert).
 """
 

@@ -9,7 +9,7 @@ module computes with (``gate_up_proj [2I, H]``, ``down_proj [H, I]``, biases), a
 ``[out, in]``. The slot pool copies parts as bytes; dequantization happens on the
 device (``quant.dequant``: torch, equal to gguf-py bit for bit).
 
-HF-native checkpoints use the same classes (``integrations/hf_quant.py``): GPT-OSS's
+HF-native checkpoints use the same classes (``loaders/hf_quant.py``): GPT-OSS's
 MXFP4 experts repacked into ggml MXFP4 parts, block-FP8 experts as raw float8 parts,
 each with a float32 scale part, joined by ``'fp8'`` (``quant.hf.fp8_block``).
 """

@@ -1,7 +1,8 @@
 """``expertcache plan``: what a model will do in a memory budget, before anything is loaded.
 
 From the model's header (a GGUF file) or a preset, the budget and a routing trace:
-expert bytes, slots per slot format (the runtime's own sizing arithmetic), hit rates
+expert bytes, slots per slot format (the runtime's own sizing: ``costmodel.pool``, with
+the compute dtype and slot format the run defaults to on the planned device), hit rates
 per policy from the simulator, predicted steady decode tok/s per policy, slot format
 and miss path from the cost model, the baselines beside them, and the fastest
 configuration. Torch-free; nothing but the header is read.
@@ -15,8 +16,8 @@ from ..config import MISS_PATHS
 from ..sizes import parse_size
 from ..stats import DECODE
 from ..trace.format import Trace
-from .costmodel import Hardware, scratch_experts, slots_in_budget, tokens_per_second
-from .expertsize import ModelExperts
+from ..costmodel import Hardware, ModelExperts, PoolSizing, tokens_per_second
+from ..costmodel.pool import cap_slots, resolve_slot_format, staging_slots
 
 
 @dataclass(frozen=True)
@@ -33,35 +34,45 @@ def formats_for(model: ModelExperts) -> tuple[str, ...]:
     return ("quantized", "dequantized") if model.cost.quantized else ("plain",)
 
 
-def pool_slots(model: ModelExperts, budget: int, slot_format: str) -> int:
-    """Cache slots the runtime would build in ``budget`` (capped at every expert)."""
+def pool_slots(model: ModelExperts, budget: int, slot_format: str, miss: str = "fetch",
+               partition: str = "global") -> int:
+    """Cache slots the runtime builds in ``budget`` (its own sizing, default staging)."""
     k = model.top_k
-    slots = slots_in_budget(budget, model.cost, slot_format, k, scratch_experts(slot_format, k, k))
-    return max(0, min(slots, model.layers * model.experts))
+    sizing = PoolSizing(model.cost, slot_format, k, staging_slots(miss, None, k))
+    return cap_slots(max(0, sizing.slots_in(budget)), model.layers, model.experts, partition)
 
 
 def plan(model: ModelExperts, gpu_memory: str | int, hw: Hardware, trace: Trace | None,
-         policies: list[str], partition: str = "global") -> dict:
-    """Rows for every (policy, slot format, miss path) and the baselines; the best first."""
+         policies: list[str], partition: str = "global", device: str = "cuda") -> dict:
+    """Rows for every (policy, slot format, miss path) and the baselines; the best first.
+
+    ``device`` ('cuda' or 'cpu') is where the run would go: it picks the slot format the
+    run's 'auto' takes (``run_slot_format``); ``model`` carries the compute dtype."""
     budget = parse_size(gpu_memory)
     per_token = model.layers * model.top_k  # expert uses per decode token
     rows = []
     for path in ("fetch", "cpu"):  # the baselines: nothing cached, every use a miss
         name = "copy-every-pass" if path == "fetch" else "cpu"
         rows.append(PlanRow(name, "-", 0, 0.0, path, _tok_s(model, hw, 0, per_token, path, "dequantized")))
-    sizes = {fmt: pool_slots(model, budget, fmt) for fmt in formats_for(model)}
-    for fmt, slots in sizes.items():
-        if slots < model.top_k or trace is None:
-            continue
-        for policy in policies:
-            hits = _decode_hit_rate(trace, policy, slots, partition)
-            for path in MISS_PATHS:
+    sizes = {fmt: pool_slots(model, budget, fmt, "fetch", partition) for fmt in formats_for(model)}
+    hit_rates: dict[tuple[str, int], float] = {}
+    for fmt in sizes:
+        for path in MISS_PATHS:  # misses on the CPU need no staging slots: a bigger cache
+            slots = pool_slots(model, budget, fmt, path, partition)
+            if slots < model.top_k or trace is None:
+                continue
+            for policy in policies:
+                if (policy, slots) not in hit_rates:
+                    hit_rates[policy, slots] = _decode_hit_rate(trace, policy, slots, partition)
+                hits = hit_rates[policy, slots]
                 tok = _tok_s(model, hw, hits * per_token, (1 - hits) * per_token, path, fmt)
                 rows.append(PlanRow(f"{policy}, {fmt} slots, miss {path}", fmt, slots, hits, path, tok))
     ranked = sorted(rows, key=lambda r: -(r.tok_s or 0.0))
     return {"model": model.name, "layers": model.layers, "experts": model.experts, "top_k": model.top_k,
             "quant": model.quant, "expert_bytes": model.cost.expert_bytes,
             "compute_bytes": model.cost.compute_bytes, "gpu_memory": budget, "hardware": hw.name,
+            "device": device, "compute_dtype": model.compute_dtype,
+            "run_slot_format": resolve_slot_format("auto", model.cost.quantized, device),
             "slots": sizes, "trace": None if trace is None else trace.meta.get("source", "trace"),
             "rows": [asdict(r) for r in ranked],
             # without hit rates there is no cache row to weigh against the baselines: no verdict

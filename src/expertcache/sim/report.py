@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ..stats import DECODE
 from ..trace.format import Trace
-from .costmodel import ExpertCost, Hardware, bytes_moved, chosen_path, tokens_per_second
+from ..costmodel import ExpertCost, Hardware, bytes_moved, chosen_path, tokens_per_second
 from .replay import ReplayResult
 
 
@@ -20,7 +20,7 @@ def expert_cost(trace: Trace, expert_bytes: int | None = None, model: str | None
     if quant and not model:
         raise ValueError("--quant sizes a preset's experts: give --model too (e.g. --model qwen3-30b-a3b)")
     if model:
-        from .expertsize import model_experts
+        from ..costmodel import model_experts
         found = model_experts(model, quant, dense_bytes)
         if (found.layers, found.experts) != (trace.num_layers, trace.num_experts):
             raise ValueError(f"model {model!r} has {found.layers} MoE layers x {found.experts} "

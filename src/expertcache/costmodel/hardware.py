@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .costmodel import Hardware
+from .model import Hardware
 
 PRESETS: dict[str, Hardware] = {h.name: h for h in (
     # RTX 3090-class: PCIe 4.0 x16 pinned ~25 GB/s (CONTEXT.md 2), 936 GB/s GDDR6X;
@@ -119,6 +119,12 @@ def gpu_rates(seconds: float = 0.5, mib: int = 256) -> dict[str, float]:
     h2d = n / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
     d2d = 2 * n / timed(lambda: dev2.copy_(dev)) / 1e9
     return {"h2d_gbps": h2d, "gpu_mem_gbps": d2d}
+
+
+def local_device() -> str:
+    """'cuda' or 'cpu': where a run on this machine goes by default (``offload`` takes CUDA when
+    torch sees it), judged without importing torch: a GPU driver on Linux."""
+    return "cuda" if sys.platform.startswith("linux") and _gpu_driver_present() else "cpu"
 
 
 def _gpu_driver_present() -> bool:

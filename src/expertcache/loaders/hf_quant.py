@@ -16,8 +16,9 @@ Two layouts (``quantization_config.quant_method`` in config.json):
 
 transformers cannot keep either format quantized on a CPU (it dequantizes the whole model
 without triton/kernels or a CUDA FP8 GPU), and would hold every expert in bf16. Here the
-model is built empty (``accelerate.init_empty_weights``), the dense tensors are read with
-``safetensors.safe_open`` and assigned, and the experts go into a ``QuantExperts`` per layer.
+model is built empty (``common.empty_model``), the dense tensors are read with
+``safetensors.safe_open`` and assigned, and the experts go into a ``QuantExperts`` per layer
+(in RAM, pinned with CUDA: ``runtime.host``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import torch
 from ..config import CacheConfig
 from ..quant.formats import quant_format
 from ..quant.hf import FP8_E4M3, fp8_block, mxfp4_hf_to_ggml
-from ..runtime.host import expert_kinds
+from ..runtime.device import compute_dtype
+from ..runtime.host import expert_kinds, host_mode, resident
 from ..runtime.quantized import Codec, Kind, Part, QuantExperts
-from ..sizes import format_size
+from .checkpoint import check_checkpoint_dir, check_weight_files
+from .common import drop_expert_params, empty_model, find_experts
 
 QUANT_METHODS = {"mxfp4": "GPT-OSS MXFP4", "fp8": "block FP8"}
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _FLOAT_FORMATS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _CHUNK = 8  # experts repacked at once (MXFP4)
 _SKIPPED = ("activation_scale", "input_scale")  # static-activation extras: refused below, never loaded
@@ -55,37 +57,27 @@ def load_hf_quantized(path: str | Path, config: CacheConfig, device: torch.devic
     """(model with empty experts modules, [(name, experts module)], [QuantExperts per layer])."""
     from transformers import AutoConfig
 
-    from .transformers import find_experts
-
     path = Path(path)
+    check_checkpoint_dir(path)
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     qcfg = _quant_settings(path, getattr(hf_config, "quantization_config", None) or {})
     del hf_config.quantization_config  # build plain experts modules: the cache serves them
-    if config.host_memory == "mmap":
-        raise ValueError(f"{path}: host_memory='mmap' reads experts from a GGUF file; a "
-                         f"{QUANT_METHODS[qcfg['quant_method']]} checkpoint's experts are repacked at load, "
-                         "so they live in RAM (use 'auto' or 'copy')")
-    dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = _empty_model(hf_config, dtype)
+    # repacked at load, so they live in RAM: refuses host_memory='mmap' before any work
+    mode, reason = host_mode(config.host_memory, device, f"{QUANT_METHODS[qcfg['quant_method']]} experts, read "
+                             "from the safetensors once and kept quantized")
+    dtype = compute_dtype(config.dtype, device)
+    model = empty_model(hf_config, dtype)
     found = find_experts(model)
     with _Checkpoint(path) as ckpt:
         prefixes = tuple(name + "." for name, _ in found)
         _load_dense(model, ckpt, prefixes, qcfg, path)
         build = _mxfp4_layer if qcfg["quant_method"] == "mxfp4" else _fp8_layer
         layers = [build(ckpt, name, module, qcfg, dtype) for name, module in found]
-    mode = "pinned" if device.type == "cuda" else "copy"
-    total = sum(t.numel() for tensors, _ in layers for t in tensors.values())
-    reason = (f"{QUANT_METHODS[qcfg['quant_method']]} experts read from the safetensors once "
-              f"({format_size(total)}, still quantized){'; pinned for DMA' if mode == 'pinned' else ''}")
     hosts = []
     for (name, module), (tensors, codec) in zip(found, layers):
         _check_shapes(name, module, codec)
-        if mode == "pinned":
-            tensors = {k: t.pin_memory() for k, t in tensors.items()}
-        hosts.append(QuantExperts(tensors, codec, mode, reason))
-    for _, module in found:  # the empty (meta) expert parameters: the cache serves them
-        for pname, _ in list(module.named_parameters(recurse=False)):
-            delattr(module, pname)
+        hosts.append(QuantExperts({k: resident(t, mode) for k, t in tensors.items()}, codec, mode, reason))
+    drop_expert_params(found)
     return model.eval(), found, hosts
 
 
@@ -112,22 +104,11 @@ def _quant_settings(path: Path, qcfg) -> dict:
     return qcfg
 
 
-def _empty_model(hf_config, dtype: torch.dtype):
-    """The model without allocating weights (buffers such as rotary tables stay real)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-
-
 class _Checkpoint:
     """Every tensor name of a safetensors checkpoint and a reader for one tensor."""
 
     def __init__(self, path: Path) -> None:
-        from .transformers import _check_weight_files
-
-        _check_weight_files(path)
+        check_weight_files(path)
         index = path / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))

@@ -3,8 +3,8 @@
 ``--model qwen3-30b-a3b --quant Q4_K`` sizes the preset's expert in a ggml block type
 (gate and up rows hold ``hidden`` weights, down rows ``expert_ff``); ``--model
 model.gguf`` reads the stored sizes and types from the header without loading any
-tensor. Quantized experts compute in ``compute_dtype`` (bf16 on a GPU), which is what
-a dequantized slot holds.
+tensor. Quantized experts compute in ``compute_dtype`` (the run's default:
+``pool.default_dtype`` of the device), which is what a dequantized slot holds.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from pathlib import Path
 
 from ..presets import preset
 from ..quant.formats import check_supported
-from .costmodel import ExpertCost
-
-COMPUTE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+from .model import ExpertCost
+from .pool import COMPUTE_BYTES
 
 
 @dataclass(frozen=True)
@@ -29,6 +28,7 @@ class ModelExperts:
     top_k: int
     cost: ExpertCost
     quant: str          # e.g. 'Q4_K/Q6_K', 'bf16'
+    compute_dtype: str = "bfloat16"  # what quantized experts are dequantized into (float ones: their own)
 
 
 def model_experts(model: str, quant: str | None = None, dense_bytes: int = 0,
@@ -45,24 +45,25 @@ def model_experts(model: str, quant: str | None = None, dense_bytes: int = 0,
     if model.lower().endswith(".gguf") or Path(model).is_file():
         if quant is not None:
             raise ValueError("--quant is for a preset; a GGUF file says its own quant types")
-        return _from_gguf(model, dense_bytes, width)
+        return _from_gguf(model, dense_bytes, compute_dtype)
     shape = preset(model)
     params = 3 * shape.hidden * shape.expert_ff
     if quant is None:
         cost = ExpertCost(shape.expert_bytes, 2.0 * params, dense_bytes)
-        return ModelExperts(shape.name, shape.layers, shape.experts, shape.top_k, cost, shape.dtype)
+        return ModelExperts(shape.name, shape.layers, shape.experts, shape.top_k, cost, shape.dtype, shape.dtype)
     fmt = check_supported(quant, f"--quant for {shape.name}")
     stored = 2 * fmt.nbytes((shape.expert_ff, shape.hidden)) + fmt.nbytes((shape.hidden, shape.expert_ff))
     cost = ExpertCost(stored, 2.0 * params, dense_bytes, compute_bytes=params * width)
-    return ModelExperts(shape.name, shape.layers, shape.experts, shape.top_k, cost, fmt.name)
+    return ModelExperts(shape.name, shape.layers, shape.experts, shape.top_k, cost, fmt.name, compute_dtype)
 
 
-def _from_gguf(path: str, dense_bytes: int, width: int) -> ModelExperts:
+def _from_gguf(path: str, dense_bytes: int, compute_dtype: str) -> ModelExperts:
     from ..ggufmodel.header import read_header
 
     header = read_header(path)
     params = header.expert_params
-    cost = ExpertCost(header.expert_bytes, 2.0 * params, dense_bytes, compute_bytes=params * width)
+    cost = ExpertCost(header.expert_bytes, 2.0 * params, dense_bytes, compute_bytes=params * COMPUTE_BYTES[compute_dtype])
     types = "/".join(sorted({t for part, names in header.quant_types.items() if part.endswith("weight")
                              for t in names.split("/")}))
-    return ModelExperts(Path(path).name, len(header.moe_blocks), header.num_experts, header.top_k, cost, types)
+    return ModelExperts(Path(path).name, len(header.moe_blocks), header.num_experts, header.top_k, cost, types,
+                        compute_dtype)

@@ -3,11 +3,11 @@
 transformers' own GGUF loading dequantizes every tensor into host memory (a
 Qwen3-30B-A3B Q4_K_M file becomes 60 GiB of bf16). Here transformers supplies what it
 is good at (the config mapping, the GGUF -> HF tensor names, the tokenizer) and the
-model is built empty (``accelerate.init_empty_weights``); only the non-expert tensors
-are dequantized and assigned. Each MoE layer's experts stay as byte views of the file
-(``host_memory='mmap'``) or copies of those bytes (pinned with CUDA), in a
-``QuantExperts`` with the ``Codec`` that turns them into the weights the transformers
-experts module computes with.
+model is built empty (``common.empty_model``); only the non-expert tensors are
+dequantized and assigned. Each MoE layer's experts stay as byte views of the file
+(``host_memory='mmap'``) or copies of those bytes (pinned with CUDA; both built by
+``runtime.host``), in a ``QuantExperts`` with the ``Codec`` that turns them into the
+weights the transformers experts module computes with.
 """
 
 from __future__ import annotations
@@ -18,46 +18,34 @@ import numpy as np
 import torch
 
 from ..config import CacheConfig
+from ..ggufmodel.header import _EXPERT, GgufModel, TensorRef, read_header
 from ..quant.dequant import dequantize
+from ..runtime.device import compute_dtype
+from ..runtime.host import file_bytes, host_mode
 from ..runtime.quantized import Codec, Kind, Part, QuantExperts
-from ..sizes import format_size
-from .header import _EXPERT, GgufModel, TensorRef, read_header
+from .common import drop_expert_params, empty_model, find_experts
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # GGUF archs whose gate/up rows alternate in the model (GPT-OSS's _apply_gate reads them so)
 _INTERLEAVED = {"gpt-oss"}
 
 
-def is_gguf(path: Path) -> bool:
-    """A .gguf path (existing or not), or any file that starts with the GGUF magic."""
-    if path.suffix.lower() == ".gguf":
-        return True
-    if path.is_file():
-        with open(path, "rb") as fh:
-            return fh.read(4) == b"GGUF"
-    return False
-
-
 def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
     """(model with empty experts modules, [(name, experts module)], [QuantExperts per layer], header)."""
-    from ..integrations.transformers import find_experts
-
     header = read_header(path)
-    dtype = _DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # decided before any tensor is read: host_memory='copy' without the RAM for it fails first
+    mode, reason = host_mode(config.host_memory, device, "GGUF experts", header.experts_bytes)
+    dtype = compute_dtype(config.dtype, device)
     hf_config = _hf_config(header)
-    model = _empty_model(hf_config, dtype)
+    model = empty_model(hf_config, dtype)
     _load_dense(model, header, hf_config, dtype)
     found = find_experts(model)
     if len(found) != len(header.moe_blocks):
         raise ValueError(f"{header.paths[0].name}: the model has {len(found)} MoE layers but the file "
                          f"has experts in {len(header.moe_blocks)} blocks")
-    mode, reason = host_mode(config.host_memory, header, device)
     hosts = [QuantExperts(_part_tensors(header.experts[block], mode),
                           expert_codec(header.experts[block], header.arch, dtype), mode, reason)
              for block in header.moe_blocks]
-    for _, module in found:  # the empty (meta) expert parameters: the cache serves them
-        for name, _ in list(module.named_parameters(recurse=False)):
-            delattr(module, name)
+    drop_expert_params(found)
     return model.eval(), found, hosts, header
 
 
@@ -76,30 +64,6 @@ def expert_codec(layer: dict[str, TensorRef], arch: str, dtype: torch.dtype) -> 
     if "down.bias" in first:
         kinds.append(Kind("down_proj_bias", "one", ("down.bias",)))
     return Codec(parts, tuple(kinds), dtype)
-
-
-def host_mode(choice: str, header: GgufModel, device: torch.device) -> tuple[str, str]:
-    """Where the expert bytes live on the host ('pinned', 'copy' or 'mmap') and why."""
-    from ..runtime.engine import free_memory
-
-    total, free = header.experts_bytes, free_memory(torch.device("cpu"))
-    need = f"the experts take {format_size(total)}"
-    have = "unknown" if free is None else format_size(free)
-    cuda = device.type == "cuda"
-    if choice == "mmap":
-        return "mmap", f"host_memory='mmap' asked for; {need}, read through the OS page cache"
-    if choice == "copy":
-        if free is not None and total > free:
-            raise ValueError(f"host_memory='copy': {need} but only {have} of RAM is free; use "
-                             "host_memory='mmap' (the OS page cache then holds what fits)")
-        return ("pinned" if cuda else "copy"), f"host_memory='copy' asked for; {need}"
-    if not cuda:
-        return "mmap", (f"no CUDA device, so nothing to pin: the slot pool copies straight from the "
-                        f"memory-mapped file ({need})")
-    if free is not None and total > 0.8 * free:
-        return "mmap", (f"{need}, more than 80% of the {have} of free RAM: read from the memory-mapped "
-                        "file, the OS page cache is the middle tier")
-    return "pinned", f"{need} and fit in the {have} of free RAM: pinned copies, full-speed DMA"
 
 
 def _hf_config(header: GgufModel):
@@ -152,15 +116,6 @@ def _gpt_oss_values(header: GgufModel) -> dict:
     return values
 
 
-def _empty_model(hf_config, dtype: torch.dtype):
-    """The model without allocating weights (buffers such as rotary tables stay real)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-
-
 def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype) -> None:
     """Dequantize every non-expert tensor and assign it under its transformers name."""
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
@@ -199,17 +154,8 @@ def _dequantized(ref: TensorRef) -> torch.Tensor:
 
 def _part_tensors(parts: dict[str, TensorRef], mode: str) -> dict[str, torch.Tensor]:
     """One layer's expert tensors as [E, bytes per expert] uint8: file views or copies."""
-    out = {}
-    for name, ref in parts.items():
-        experts = ref.shape[0]
-        # copy-on-write mapping: torch gets a writable view without reading or copying the file
-        view = np.memmap(ref.file, dtype=np.uint8, mode="c", offset=ref.offset,
-                         shape=(experts, ref.nbytes // experts))
-        tensor = torch.from_numpy(view)
-        if mode != "mmap":
-            tensor = tensor.pin_memory() if mode == "pinned" else tensor.clone()
-        out[name] = tensor
-    return out
+    return {name: file_bytes(ref.file, ref.offset, ref.shape[0], ref.nbytes // ref.shape[0], mode)
+            for name, ref in parts.items()}
 
 
 def load_gguf_tokenizer(path: Path):

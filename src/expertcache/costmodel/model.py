@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..config import MISS_PATHS
 
 GB = 1e9
-# what CacheConfig's 'auto' resolves to; 'plain': float experts, nothing to dequantize
+# what CacheConfig's 'auto' resolves to (pool.resolve_slot_format); 'plain': float experts
 SLOT_FORMATS = ("quantized", "dequantized", "plain")
 
 
@@ -83,28 +83,6 @@ class ExpertCost:
     def slot_bytes(self, slot_format: str = "dequantized") -> int:
         """Device bytes one slot takes: the stored bytes in 'quantized' slots, else the compute dtype."""
         return self.expert_bytes if slot_format == "quantized" else self.compute_bytes
-
-
-def scratch_experts(slot_format: str, top_k: int, staging: int) -> int:
-    """Experts one step dequantizes at once with 'quantized' slots: a decode step's top-k (or the
-    staging slots' count, if larger); prefill steps run in rounds of that many."""
-    return max(top_k, staging) if slot_format == "quantized" else 0
-
-
-def pool_extra_bytes(model: ExpertCost, slot_format: str, scratch_experts: int) -> int:
-    """Device bytes a pool needs besides its slots: the per-step dequantization scratch
-    ('quantized' slots, ``scratch_experts`` in the compute dtype) or the landing buffer one
-    load is dequantized from ('dequantized' slots of quantized experts)."""
-    if slot_format == "quantized":
-        return scratch_experts * model.compute_bytes
-    return model.expert_bytes if slot_format == "dequantized" and model.quantized else 0
-
-
-def slots_in_budget(budget: int, model: ExpertCost, slot_format: str, staging: int, scratch_experts: int) -> int:
-    """Cache slots that fit ``budget`` bytes next to ``staging`` slots and the extra buffers
-    (may be negative: the budget does not even hold those). The runtime sizes its pool so."""
-    extra = pool_extra_bytes(model, slot_format, scratch_experts)
-    return (budget - extra) // model.slot_bytes(slot_format) - staging
 
 
 def miss_times(model: ExpertCost, hw: Hardware, slot_format: str = "dequantized",

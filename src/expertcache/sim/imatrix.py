@@ -9,20 +9,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .apply import check_mode, plan_keys
-from .counts import ExpertCounts
+from ..imatrix.apply import check_mode, plan_keys
+from ..imatrix.counts import ExpertCounts
+from .replay import Prepared, replay
 
 
 def imatrix_replays(prep, policies: Sequence[str], slots_list: Sequence[int], partition: str,
                     source, mode: str = "pin", budget: int | None = None) -> list:
     """``ReplayResult`` per (policy, size), in that order, each labelled with the plan it ran."""
-    from ..sim.replay import Prepared, replay
-
     if check_mode(mode) == "none":
         raise ValueError("imatrix mode 'none' places nothing; use 'pin' or 'seed'")
     prep = prep if isinstance(prep, Prepared) else Prepared(prep)
     if not isinstance(source, ExpertCounts):
-        from .sources import load_counts
+        from ..imatrix.sources import load_counts
 
         source = load_counts(Path(source))
     trace = prep.trace
