@@ -61,9 +61,10 @@ def test_trace_replays_to_live_counts_and_ids_equal_transformers(tiny_model, ref
 
     stats_path, trace_path = tmp_path / "stats.json", tmp_path / "trace.npz"
     config = {"slots": ALL // 4, "eviction": "lru", "stats_path": str(stats_path),
-              "record_trace": str(trace_path)}
+              "record_trace": str(trace_path), "stats_every": 3}
     tokens, _, session = generate(tiny_model, config)
     assert tokens == reference[0]
+    assert json.loads(stats_path.read_text())["steps"] == 6  # written every 3 engine steps
     session.close()  # what the engine's exit does: write stats and trace
 
     doc = json.loads(stats_path.read_text())
@@ -181,5 +182,7 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the main module mu
     doc = json.loads(stats.read_text())  # written by the engine process at its exit
     assert doc["slots"] == ALL // 4 and doc["hits"] + doc["misses"] == doc["accesses"] > 0
     assert np.isclose(doc["hit_rate"], doc["hits"] / doc["accesses"])
-    assert doc["steps"] == MAX_TOKENS and doc["warmup_steps"] >= 1  # compile warm-up kept out
+    # compile warm-up kept out; with its engine in another process vLLM schedules one step ahead
+    # (async scheduling), so one more real forward may run than tokens were asked for
+    assert doc["steps"] in (MAX_TOKENS, MAX_TOKENS + 1) and doc["warmup_steps"] >= 1
     assert doc["stats"]["total"]["bypasses"] > 0  # the rounds ran
