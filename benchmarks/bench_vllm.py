@@ -76,6 +76,7 @@ def run_vllm(path: str, fraction: float | None, tokens: int, repeats: int, devic
             llm.generate(batch, params, use_tqdm=False)  # warm-up
             session = sessions._current if fraction is not None else None
             before = session.stats() if session else None
+            host0, steps0 = (session.host_s, session.steps) if session else (0.0, 0)
             rates, seqs = [], None
             for _ in range(repeats):
                 t = time.perf_counter()
@@ -86,7 +87,9 @@ def run_vllm(path: str, fraction: float | None, tokens: int, repeats: int, devic
             if session:
                 st = session.stats().since(before)
                 row.update(hit_rate=st.total().hit_rate, hit_rate_decode=st.total("decode").hit_rate,
-                           h2d_bytes=st.h2d_bytes(), slots=session.pool.slots)
+                           h2d_bytes=st.h2d_bytes(), slots=session.pool.slots,
+                           host_us_per_layer_step=1e6 * (session.host_s - host0)
+                           / max((session.steps - steps0) * LAYERS, 1))
             out["levels"][n] = row
     finally:
         del llm
@@ -108,7 +111,7 @@ def merge(rows: dict, name: str, result: dict) -> None:
         old["tok_s_runs"] += r["tok_s_runs"]
         old["tok_s_median"] = statistics.median(old["tok_s_runs"])
         old["tokens_same_each_pass"] = old.get("tokens_same_each_pass", True) and old["tokens"] == r["tokens"]
-        for key in ("hit_rate", "hit_rate_decode", "h2d_bytes"):
+        for key in ("hit_rate", "hit_rate_decode", "h2d_bytes", "host_us_per_layer_step"):
             if key in r:
                 old.setdefault(key + "_passes", [old[key]]).append(r[key])
 

@@ -20,16 +20,17 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment: t
 from conftest import EXPERTS, LAYERS, MAX_TOKENS, PROMPTS, TOP_K, generate
 
 ALL = LAYERS * EXPERTS
+EXPERT_BYTES = (2 * 64 * 128 + 128 * 64) * 4   # w13 + w2 rows of one expert after padding, float32
 CASES = [  # (config, eager): 25% and 50% of the experts, lru and default, global and per-layer
     ({"slots": ALL // 4, "eviction": "lru"}, True),
-    ({"slots": ALL // 2}, True),
+    ({"gpu_memory": (ALL // 2 + TOP_K) * EXPERT_BYTES}, True),  # 50% through a byte budget
     ({"slots": ALL // 4, "partition": "per-layer"}, True),
     ({"slots": ALL // 2, "eviction": "lru", "partition": "per-layer"}, True),
 ]  # compiled mode: test_compiled_in_a_separate_engine_process (vLLM's default set-up)
 
 
 @pytest.mark.parametrize("config, eager", CASES,
-                         ids=[f"{c.get('eviction', 'default')}-{c['slots']}-{c.get('partition', 'global')}-"
+                         ids=[f"{c.get('eviction', 'default')}-{c.get('slots', 'budget')}-{c.get('partition', 'global')}-"
                               f"{'eager' if e else 'compiled'}" for c, e in CASES])
 def test_tokens_equal_vllm_without_the_plugin(tiny_model, reference, config, eager):
     ref_tokens, ref_logprobs = reference
@@ -43,7 +44,8 @@ def test_tokens_equal_vllm_without_the_plugin(tiny_model, reference, config, eag
         else:  # rounds add partial outputs (or compiled kernels differ): equal to rounding
             assert all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5) for a, b in zip(ours, ref))
     # the layer's device weights hold only the slots (and the staging slots), in vLLM's layout
-    slots = config["slots"]
+    slots = config.get("slots", ALL // 2)
+    assert session.pool.slots == slots
     pool_rows = slots + TOP_K
     for layer in session.layers:
         assert layer.w13_weight.shape == (pool_rows, 2 * 64, 128)   # I=48 padded to 64, H=128
@@ -91,6 +93,11 @@ def test_trace_replays_to_live_counts_and_ids_equal_transformers(tiny_model, ref
     assert (row["hits"], row["misses"]) == (live.hits, live.misses)
     for phase in ("prefill", "decode"):
         assert row[phase]["hits"] == session.stats().total(phase).hits
+
+    # the recorded trace as imatrix counts: its hottest experts pinned before the first step
+    tokens, _, pinned = generate(tiny_model, {"slots": ALL // 2, "imatrix": str(trace_path)})
+    assert tokens == reference[0]
+    assert pinned.table.pinned and pinned.stats().total().hits > 0
 
     # the ids the hook saw are transformers' router top-k on the same tokens (float32)
     want = transformers_topk(tiny_model, [p + t[:-1] for p, t in zip(PROMPTS, tokens)])

@@ -44,6 +44,7 @@ class Session:
         self.h2d: list[list[int]] | None = None
         self.steps = 0            # counted forward passes (engine steps)
         self.tokens = [0, 0]      # counted tokens per phase (prefill, decode)
+        self.host_s = 0.0         # seconds counted steps spent outside vLLM's kernel (plan, copies, remap)
         self.warmup_steps = 0     # forward passes kept out of the statistics
         self.recorder = None
         self.telemetry = None
@@ -138,6 +139,7 @@ class Session:
                 "staging": None if pool is None else pool.staging,
                 "slot_bytes": None if pool is None else pool.slot_bytes,
                 "steps": self.steps, "warmup_steps": self.warmup_steps,
+                "host_us_per_layer_step": 1e6 * self.host_s / max(self.steps * len(self.layers), 1),
                 "config": self.config.to_dict()}
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ vLLM's single call in the last bits. A step without rounds is the single call.
 
 from __future__ import annotations
 
+import time
 from itertools import chain
 
 import torch
@@ -55,15 +56,18 @@ def run(session, index: int, layer, kernel, x: torch.Tensor, topk_weights: torch
         return kernel(x, topk_weights, _warmup_ids(topk_ids, session.pool))
     if session.table is None:
         session.start()
+    t0 = time.perf_counter()
     n = topk_ids.shape[0] if n is None else min(n, topk_ids.shape[0])
     rows = topk_ids[:n].tolist()                 # the one device -> host read of the step
     if phase is None:
         phase = PREFILL if n > 1 else DECODE
     if index == 0:
         session.begin_forward(n, phase)
-    out = _planned(session, index, layer, kernel, x, topk_weights, topk_ids, rows, phase)
+    timed = _Timed(kernel)
+    out = _planned(session, index, layer, timed, x, topk_weights, topk_ids, rows, phase)
     if session.recorder is not None:
         session.recorder.add(index, rows, phase)
+    session.host_s += time.perf_counter() - t0 - timed.seconds  # the step's own cost, kernel excluded
     if index == len(session.layers) - 1:
         session.end_forward()
     return out
@@ -98,6 +102,19 @@ def _planned(session, index, layer, kernel, x, topk_weights, topk_ids, rows, pha
         if r + 1 < len(rounds):
             pool.begin()  # the next round's loads wait for this round's kernel
     return out
+
+
+class _Timed:
+    """The kernel, with the wall time spent in it (on CUDA: launch time; the host cost is what counts)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.seconds = kernel, 0.0
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        out = self.kernel(*args)
+        self.seconds += time.perf_counter() - t
+        return out
 
 
 def _lut(mapping: dict[int, int], num_experts: int, device) -> torch.Tensor:
