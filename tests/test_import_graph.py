@@ -23,7 +23,7 @@ SRC = ROOT / "src" / "expertcache"
 LAYERS = [
     ("cli",),
     ("expertcache", "serve", "bench"),
-    ("integrations",),
+    ("integrations", "vllm"),
     ("loaders",),
     ("runtime", "sim"),
     ("imatrix", "costmodel"),

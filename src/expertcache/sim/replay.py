@@ -176,6 +176,8 @@ class Prepared:
     @cached_property
     def keys(self) -> np.ndarray:        # int32 [R*L, W], -1 = padding or a repeat within a step
         from ..trace.steps import row_keys, step_rows
+        if self.order == "grouped":      # steps of any width (an engine's batches)
+            return row_keys(self._rows[0], self.E, self.trace.top_k)
         P = self.prompt
         tokens = step_keys(self.trace.experts[:, P:], self.E)  # [(T-P)*L, K]
         if not P:
@@ -195,6 +197,8 @@ class Prepared:
 
     @cached_property
     def phases(self) -> np.ndarray:      # uint8 [R*L]
+        if self.order == "grouped":
+            return np.repeat(np.asarray(self.row_phases, np.uint8), self.L)
         rows = self.trace.phases[self.prompt:].astype(np.uint8)
         if self.prompt:
             rows = np.concatenate([np.array([PREFILL], np.uint8), rows])
@@ -214,6 +218,8 @@ class Prepared:
     @cached_property
     def widest_step(self) -> int:
         """Most keys one step needs: top-k, or more for a batched prompt."""
+        if self.order == "grouped":
+            return int((self.keys >= 0).sum(axis=1).max()) if self.keys.size else self.trace.top_k
         return int((self.keys[:self.L] >= 0).sum(axis=1).max()) if self.prompt \
             else self.trace.top_k
 

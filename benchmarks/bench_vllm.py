@@ -1,0 +1,209 @@
+"""vLLM's CPU build with and without the expertcache plug-in, and expertcache's own runtime.
+
+The model is bench_serve's small random Qwen3-MoE (hidden 256, 4 MoE layers, 32 experts,
+top-4, float32) with a word-level tokenizer, saved to a temporary folder. Rows:
+
+* ``vllm``: vLLM's CPU build, no plug-in;
+* ``vllm+expertcache N%``: the plug-in with N% of all L x E experts in slots (100%: all
+  resident, the plug-in's overhead alone), default policy;
+* ``expertcache generate`` / ``expertcache serve``: the transformers runtime at 50% slots.
+
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, eager: compiling each
+configuration costs a minute or more on a loaded 2-core machine) with 1 and 4 concurrent
+requests (one ``generate`` call with 1 or 4 prompts, 16 prompt tokens, ``--tokens`` new
+tokens each, end token ignored); tok/s = generated tokens / wall time, median of
+``--repeats`` after one warm-up. Hit rates are the plug-in's counters over the timed runs.
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--tokens 64] [--repeats 3]
+
+Writes benchmarks/results/vllm_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+
+RESULTS = Path(__file__).resolve().parent / "results" / "vllm_cpu.json"
+LAYERS, EXPERTS = 4, 32
+FRACTIONS = (None, 1.0, 0.5, 0.25)   # None: vLLM without the plug-in
+LEVELS = (1, 4)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(c * 31 + j * 7) % 500 + 3 for j in range(16)] for c in range(n)]
+
+
+PIECEWISE = {"cudagraph_mode": "PIECEWISE",  # CUDA graphs with the MoE op outside them (docs/vllm.md)
+             "splitting_ops": ["vllm::unified_attention", "vllm::unified_attention_with_output",
+                               "vllm::moe_forward", "vllm::moe_forward_shared"]}
+
+
+def run_vllm(path: str, fraction: float | None, tokens: int, repeats: int, device: str,
+             piecewise: bool = False) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.inputs import TokensPrompt
+
+    from expertcache.vllm import session as sessions
+
+    extra = {} if fraction is None else {"expertcache": {"slots": round(fraction * LAYERS * EXPERTS)}}
+    kwargs = dict(gpu_memory_utilization=0.3) if device == "cuda" else \
+        dict(gpu_memory_utilization=0.2, kv_cache_memory_bytes=1 << 28, distributed_executor_backend="uni")
+    t0 = time.perf_counter()
+    if piecewise:
+        kwargs["compilation_config"] = PIECEWISE
+    llm = LLM(model=path, dtype="float32", enforce_eager=not piecewise, max_model_len=512, max_num_seqs=4,
+              seed=0, additional_config=extra, **kwargs)
+    start_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False)
+    out = {"start_s": start_s, "levels": {}}
+    try:
+        for n in LEVELS:
+            batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(n)]
+            llm.generate(batch, params, use_tqdm=False)  # warm-up
+            session = sessions._current if fraction is not None else None
+            before = session.stats() if session else None
+            host0, steps0 = (session.host_s, session.steps) if session else (0.0, 0)
+            rates, seqs = [], None
+            for _ in range(repeats):
+                t = time.perf_counter()
+                res = llm.generate(batch, params, use_tqdm=False)
+                rates.append(sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t))
+                seqs = [list(r.outputs[0].token_ids) for r in res]
+            row = {"tok_s_median": statistics.median(rates), "tok_s_runs": rates, "tokens": seqs}
+            if session:
+                st = session.stats().since(before)
+                row.update(hit_rate=st.total().hit_rate, hit_rate_decode=st.total("decode").hit_rate,
+                           h2d_bytes=st.h2d_bytes(), slots=session.pool.slots,
+                           host_us_per_layer_step=1e6 * (session.host_s - host0)
+                           / max((session.steps - steps0) * LAYERS, 1))
+            out["levels"][n] = row
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    return out
+
+
+def merge(rows: dict, name: str, result: dict) -> None:
+    """Add one pass of a configuration: runs pooled, the median over all of them."""
+    if name not in rows:
+        rows[name] = result
+        return
+    row = rows[name]
+    row["start_s"] = [*(row["start_s"] if isinstance(row["start_s"], list) else [row["start_s"]]),
+                      result["start_s"]]
+    for n, r in result["levels"].items():
+        old = row["levels"][n]
+        old["tok_s_runs"] += r["tok_s_runs"]
+        old["tok_s_median"] = statistics.median(old["tok_s_runs"])
+        old["tokens_same_each_pass"] = old.get("tokens_same_each_pass", True) and old["tokens"] == r["tokens"]
+        for key in ("hit_rate", "hit_rate_decode", "h2d_bytes", "host_us_per_layer_step"):
+            if key in r:
+                old.setdefault(key + "_passes", [old[key]]).append(r[key])
+
+
+def run_generate(path: str, tokens: int, out_dir: str) -> dict:
+    """``expertcache generate`` at 50% slots (the transformers runtime), its own JSON summary."""
+    out = Path(out_dir) / "generate.json"
+    prompt = " ".join(f"w{(j * 7) % 500 + 3}" for j in range(16))
+    done = subprocess.run([sys.executable, "-c", "import sys; from expertcache.cli import main; sys.exit(main())",
+                           "generate", path, "--prompt", prompt, "--max-new-tokens", str(tokens),
+                           "--slots", str(LAYERS * EXPERTS // 2), "--device", "cpu", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        return {"error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.read_text())
+
+
+def run_serve(path: str, tokens: int) -> dict:
+    """``expertcache serve``'s server at 50% slots, 1 and 4 concurrent streamed clients."""
+    from bench_serve import OurServer, level
+
+    server = OurServer(Path(path), cached=True)
+    url = server.start()
+    try:
+        return {n: level(url, Path(path).name, n, 2, tokens, 16, True) for n in LEVELS}
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--passes", type=int, default=2, choices=(1, 2), help="1: each configuration once")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: the vLLM rows only, on a CUDA build of vLLM (benchmarks/gpu_check.sh)")
+    ap.add_argument("--json", default=str(RESULTS))
+    args = ap.parse_args()
+    import torch
+    from bench_serve import save_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tiny-qwen3-moe"
+        save_model(path)
+        rows = {}
+        # ABBA: the configurations run forward, then backward, so that a machine whose load
+        # drifts (it is shared) weighs on every row alike; medians over both passes
+        for order in (FRACTIONS, FRACTIONS[::-1])[:args.passes]:
+            for fraction in order:
+                name = "vllm" if fraction is None else f"vllm+expertcache {fraction:.0%}"
+                merge(rows, name, run_vllm(str(path), fraction, args.tokens, args.repeats, args.device))
+                print(name, {n: round(r["tok_s_median"], 1) for n, r in rows[name]["levels"].items()},
+                      flush=True)
+        if args.device == "cuda":  # the graph mode that keeps the plan per step
+            rows["vllm+expertcache 50% piecewise"] = run_vllm(str(path), 0.5, args.tokens, args.repeats,
+                                                              "cuda", piecewise=True)
+        ref = {n: dict(r) for n, r in rows["vllm"]["levels"].items()}
+        for name, row in rows.items():
+            for n, r in row["levels"].items():
+                r["over_vllm"] = r["tok_s_median"] / ref[n]["tok_s_median"]
+                r["tokens_equal_vllm"] = r.pop("tokens") == ref[n]["tokens"]
+        if args.device == "cpu":
+            rows["expertcache generate 50%"] = run_generate(str(path), args.tokens, tmp)
+            rows["expertcache serve 50%"] = run_serve(str(path), args.tokens)
+    doc = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                       "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                       "note": "shared 2-core VM, loaded by other agents' jobs while this ran: "
+                               "ratios of rows measured minutes apart carry that noise"},
+           "settings": {"tokens": args.tokens, "repeats": args.repeats, "passes": args.passes, "prompt_tokens": 16, "levels": LEVELS,
+                        "model": "Qwen3-MoE hidden 256, 4 MoE layers, 32 experts, top-4, float32 (random)",
+                        "vllm_mode": "in-process engine, eager"},
+           "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(doc, indent=1))
+    print_table(rows)
+
+
+def print_table(rows: dict) -> None:
+    print(f"{'row':28} {'tok/s @1':>9} {'@4':>9} {'x vllm @1':>10} {'@4':>6} {'hit rate @1':>12} {'@4':>6}")
+    for name, row in rows.items():
+        if "levels" in row:
+            lv = row["levels"]
+            hit = [lv[n].get("hit_rate") for n in LEVELS]
+            print(f"{name:28} {lv[1]['tok_s_median']:9.1f} {lv[4]['tok_s_median']:9.1f} "
+                  f"{lv[1]['over_vllm']:10.2f} {lv[4]['over_vllm']:6.2f} "
+                  + " ".join("" if h is None else f"{h:.3f}".rjust(w) for h, w in zip(hit, (12, 6))))
+        elif name.startswith("expertcache serve"):
+            print(f"{name:28} {row[1]['tokens_per_s']:9.1f} {row[4]['tokens_per_s']:9.1f}")
+        else:
+            print(f"{name:28} {json.dumps(row)[:90]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""One cached model in one vLLM process: its layers, SlotTable, slot pool and counters.
+
+Layers join in construction order (that order is the MoE layer index). The pool is
+made when the first layer's weights are loaded and repacked (its shape is known then);
+the table when the first counted step runs (every layer has joined by then). Warm-up,
+profile and compile steps (vLLM builds no attention metadata for them) never reach the
+table: they compute on whatever the slots hold and their output is discarded.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+import torch
+
+from ..cache import SlotTable
+from ..runtime.stats import LiveStats
+from .pool import HostExperts, SlotPool
+from .settings import Settings
+
+_current: Session | None = None
+LAYERS: dict[str, torch.nn.Module] = {}   # layer name -> its layer (the op looks it up)
+
+
+def session_for(settings: Settings, vllm_config) -> Session:
+    """The session of the model being built under ``vllm_config`` (a new model: a new session)."""
+    global _current
+    if _current is None or _current.vllm_config is not vllm_config:
+        if _current is not None:
+            _current.close()
+        _current = Session(settings, vllm_config)
+    return _current
+
+
+class Session:
+    def __init__(self, settings: Settings, vllm_config) -> None:
+        self.settings, self.config = settings, settings.cache
+        self.vllm_config = vllm_config
+        self.layers: list[torch.nn.Module] = []
+        self.hosts: list[HostExperts | None] = []
+        self.top_k = self.num_experts = None
+        self.pool: SlotPool | None = None
+        self.table: SlotTable | None = None
+        self.h2d: list[list[int]] | None = None
+        self.steps = 0            # counted forward passes (engine steps)
+        self.tokens = [0, 0]      # counted tokens per phase (prefill, decode)
+        self.host_s = 0.0         # seconds counted steps spent outside vLLM's kernel (plan, copies, remap)
+        self.warmup_steps = 0     # forward passes kept out of the statistics
+        self.recorder = None
+        self.telemetry = None
+        self._closed = False
+        atexit.register(self.close)
+
+    # -- building -------------------------------------------------------------------
+    def join(self, layer) -> int:
+        self.layers.append(layer)
+        self.hosts.append(None)
+        self.top_k, self.num_experts = layer.top_k, layer.global_num_experts
+        LAYERS[layer.layer_name] = layer
+        return len(self.layers) - 1
+
+    def take_weights(self, index: int, layer) -> None:
+        """After vLLM repacked ``layer``'s experts: keep them on the host, give the layer the pool."""
+        host = HostExperts.take(layer)
+        if self.pool is None:
+            self.pool = self._make_pool(host, layer)
+        elif host.layout() != self.pool.layout:
+            raise ValueError(f"expertcache: {layer.layer_name} has expert tensors {host.layout()} but the "
+                             f"first MoE layer has {self.pool.layout}; one pool needs equal layers")
+        self.hosts[index] = host
+        for kind, param in self.pool.params.items():
+            delattr(layer, kind)
+            layer.register_parameter(kind, param)  # the same Parameter in every layer
+
+    def _make_pool(self, host: HostExperts, layer) -> SlotPool:
+        L, E, k = len(self.layers), self.num_experts, self.top_k
+        run = self.config
+        staging = run.staging or k
+        if run.gpu_memory is not None:
+            slots = run.gpu_memory_bytes // host.expert_bytes - staging
+            if slots < k:
+                raise ValueError(f"expertcache: gpu_memory={run.gpu_memory!r} holds {max(slots, 0)} "
+                                 f"experts of {host.expert_bytes} bytes after {staging} staging slots; "
+                                 f"a step needs {k}")
+        else:
+            slots = run.slots
+        slots = min(slots, L * E)  # more slots than experts would only waste memory
+        if run.partition == "per-layer":
+            slots = min(slots // L, E) * L
+        return SlotPool(host.layout(), slots, staging, layer.w13_weight.device)
+
+    def start(self) -> None:
+        """The first counted step: every layer has joined and been loaded."""
+        L, E = len(self.layers), self.num_experts
+        run = self.config
+        self.table = SlotTable(L, E, self.pool.slots, eviction=run.eviction, admission=run.admission,
+                               partition=run.partition, top_k=self.top_k,
+                               eviction_params=run.eviction_params, admission_params=run.admission_params)
+        self.h2d = [[0] * L for _ in range(2)]
+        if run.imatrix is not None:
+            self._place_imatrix()
+        from .telemetry import Telemetry
+        self.telemetry = Telemetry(self)
+        if self.settings.record_trace:
+            from .recorder import Recorder
+            self.recorder = Recorder(L, E, self.top_k)
+
+    def _place_imatrix(self) -> None:
+        from ..imatrix.apply import check_source, place
+        counts = check_source(self.config.imatrix, len(self.layers), self.num_experts)
+        for key, slot in place(self.table, counts, self.config.imatrix_mode).loads.items():
+            layer, expert = divmod(key, self.num_experts)
+            self.pool.load(slot, self.hosts[layer], expert)  # setup, not counted as traffic
+
+    # -- per forward --------------------------------------------------------------
+    def begin_forward(self, tokens: int, phase: int) -> None:
+        """At the first layer of a counted forward pass."""
+        self.tokens[phase] += tokens
+
+    def end_forward(self) -> None:
+        """After the last layer of a counted forward pass."""
+        self.steps += 1
+        if self.telemetry is not None and self.steps % self.settings.stats_every == 0:
+            self.telemetry.write()
+
+    # -- public surface -------------------------------------------------------------
+    def stats(self) -> LiveStats | None:
+        if self.table is None:
+            return None
+        return LiveStats(self.table.stats(), self.h2d, {
+            "slot_format": "plain", "bytes_per_slot": self.hosts[0].expert_bytes,
+            "bytes_per_load": self.hosts[0].expert_bytes, "host_memory": "pinned" if self.pool.cuda
+            else "copy", "host_memory_reason": "vLLM's repacked expert tensors"})
+
+    def summary(self) -> dict:
+        pool = self.pool
+        return {"layers": len(self.layers), "experts": self.num_experts, "top_k": self.top_k,
+                "slots": None if pool is None else pool.slots,
+                "staging": None if pool is None else pool.staging,
+                "slot_bytes": None if pool is None else pool.slot_bytes,
+                "steps": self.steps, "warmup_steps": self.warmup_steps,
+                "host_us_per_layer_step": 1e6 * self.host_s / max(self.steps * len(self.layers), 1),
+                "config": self.config.to_dict()}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.telemetry is not None:
+            self.telemetry.write()
+        if self.recorder is not None:
+            self.recorder.save(self.settings.record_trace, self)
