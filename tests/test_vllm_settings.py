@@ -20,12 +20,12 @@ def test_off_without_the_block():
 def test_offload_names_reach_cache_config(tmp_path):
     s = settings(slots=12, eviction="slru:protected=0.5", admission="second-hit", partition="per-layer",
                  stats_path=str(tmp_path / "s.json"), record_trace=str(tmp_path / "t.npz"), stats_every=5)
-    assert (s.cache.slots, s.cache.eviction, s.cache.admission, s.cache.partition) == \
+    assert (s.cache.slots, s.cache.eviction.name, s.cache.admission.name, s.cache.partition) == \
         (12, "slru", "second-hit", "per-layer")
-    assert s.cache.eviction_params == {"protected": 0.5}
+    assert s.cache.eviction.params["protected"] == 0.5
     assert (s.stats_every, s.record_trace) == (5, str(tmp_path / "t.npz"))
     whole = settings(slots=4, eviction="lru+second-hit")  # the CLI's whole spec works too
-    assert (whole.cache.eviction, whole.cache.admission) == ("lru", "second-hit")
+    assert (whole.cache.eviction.name, whole.cache.admission.name) == ("lru", "second-hit")
     assert settings(gpu_memory="1GiB").cache.gpu_memory == "1GiB"
     assert settings(slots=3).stats_every == DEFAULT_STATS_EVERY
 

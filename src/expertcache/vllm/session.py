@@ -94,8 +94,7 @@ class Session:
         L, E = len(self.layers), self.num_experts
         run = self.config
         self.table = SlotTable(L, E, self.pool.slots, eviction=run.eviction, admission=run.admission,
-                               partition=run.partition, top_k=self.top_k,
-                               eviction_params=run.eviction_params, admission_params=run.admission_params)
+                               partition=run.partition, top_k=self.top_k)
         self.h2d = [[0] * L for _ in range(2)]
         if run.imatrix is not None:
             self._place_imatrix()

@@ -65,9 +65,7 @@ def _cache_config(block: dict) -> CacheConfig:
                                     "imatrix_mode") if k in block}
     try:
         policy = parse_policy(spec)
-        return CacheConfig(eviction=policy.eviction, eviction_params=policy.eviction_params,
-                           admission=policy.admission, admission_params=policy.admission_params,
-                           **kwargs)
+        return CacheConfig(eviction=policy.eviction, admission=policy.admission, **kwargs)
     except (ValueError, TypeError) as err:
         raise ValueError(f"expertcache: {_first_line(err)}") from None
 
