@@ -18,34 +18,33 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
-from ...policies.next_use import _EDGES, _GAPS, _MIN_OBS, _NCLASS, _TRUST
+from ..next_use import _EDGES, _GAPS, _MIN_OBS, _NCLASS, _TRUST
 from .lists import append, new_lists, remove
 from . import skeleton
-from .skeleton import hook, specialize
+from .skeleton import hook
 
 EDGES = np.array(_EDGES, np.float64)
 NRT = True  # the typed dict of `_believe` needs numba's reference counting
 
 
-def run(prep, policy, parts: int, cap: int, admission: tuple) -> np.ndarray:
-    """Counts ``[2, L, 6]`` of ``policy`` (a NextUse; its parameters) at ``cap`` slots."""
-    nkeys, NC = prep.L * prep.E, _NCLASS
+def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
+    """A fresh state of ``policy`` (a NextUse: its parameters), one per partition."""
+    NC = _NCLASS
     # gaps shorter than the pass length -> sightings; key p << 40 | gap, value gen << 8 | n
     # (a generation bump per partition stands for the policy's dict.clear())
     shorter = _new_dict()
-    st = (*new_lists(nkeys, parts * NC),
-          np.full(nkeys, -1, np.int64),            # last use, -1: never used
-          np.zeros(nkeys, np.float64),             # decayed count
-          np.zeros(nkeys, np.int32),               # class
-          np.zeros(parts, np.int64),               # period (steps per pass), 0 until a reuse
-          np.zeros(parts, np.int64),               # latest step seen
-          np.zeros(parts, np.int64),               # reuses seen
-          np.zeros((parts, NC, _GAPS + 2), np.float64),  # gap histogram
-          np.zeros((parts, NC, _GAPS + 1), np.float64),  # score table
-          shorter, np.zeros(parts, np.int64),
-          float(policy.window), np.int64(policy.horizon), np.int64(policy.rebuild_every),
-          np.int64(policy.halve_every), EDGES)
-    return skeleton.run(replay, prep, parts, cap, st, admission)
+    return (*new_lists(nkeys, parts * NC),
+            np.full(nkeys, -1, np.int64),            # last use, -1: never used
+            np.zeros(nkeys, np.float64),             # decayed count
+            np.zeros(nkeys, np.int32),               # class
+            np.zeros(parts, np.int64),               # period (steps per pass), 0 until a reuse
+            np.zeros(parts, np.int64),               # latest step seen
+            np.zeros(parts, np.int64),               # reuses seen
+            np.zeros((parts, NC, _GAPS + 2), np.float64),  # gap histogram
+            np.zeros((parts, NC, _GAPS + 1), np.float64),  # score table
+            shorter, np.zeros(parts, np.int64),
+            float(policy.window), np.int64(policy.horizon), np.int64(policy.rebuild_every),
+            np.int64(policy.halve_every), EDGES)
 
 
 @njit(cache=True)
@@ -53,15 +52,13 @@ def _new_dict():
     return Dict.empty(types.int64, types.int64)
 
 
-STATE = ("prev", "nxt", "head", "tail", "size", "where", "last", "count", "cls_of", "period",
-         "now_p", "seen", "hist", "score", "shorter", "gen", "window", "horizon",
-         "rebuild_every", "halve_every", "edges")
 
 
 @hook
-def on_hit(key, p, s, j, prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
-           shorter, gen, window, horizon, rebuild_every, halve_every, edges):
+def on_hit(key, p, s, st):
     """on_access = on_insert: learn from the use, then the key goes young in its class."""
+    (prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
+     shorter, gen, window, horizon, rebuild_every, halve_every, edges) = st
     c = _use(key, s, p, last, count, cls_of, period, now_p, seen, hist, score, shorter, gen,
              window, horizon, rebuild_every, halve_every, edges)
     if where[key] >= 0:
@@ -73,8 +70,9 @@ on_insert = on_hit
 
 
 @hook
-def find_victim(p, s, stamp, prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
-                shorter, gen, window, horizon, rebuild_every, halve_every, edges):
+def find_victim(p, s, stamp, st):
+    (prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
+     shorter, gen, window, horizon, rebuild_every, halve_every, edges) = st
     return _victim(p, _NCLASS, head, nxt, stamp, s, last, score, period[p], now_p[p])
 
 
@@ -97,8 +95,9 @@ def _victim(p, NC, head, nxt, stamp, s, last, score, period, now):
 
 
 @hook
-def on_evict(key, p, prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
-           shorter, gen, window, horizon, rebuild_every, halve_every, edges):
+def on_evict(key, p, st):
+    (prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
+     shorter, gen, window, horizon, rebuild_every, halve_every, edges) = st
     remove(key, where[key], prev, nxt, head, tail, size, where)
 
 
@@ -179,4 +178,19 @@ def _scores(row, h):
     return out
 
 
-replay = specialize(globals(), "next_use_replay")
+# -- entry points: the shared step with this module's hooks (skeleton.py) --------------
+@njit(cache=True, _nrt=True)
+def replay(keys, phases, L, parts, cap, st, sc, adm):
+    skeleton.replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+                    on_insert)
+
+
+@njit(cache=True, _nrt=True)
+def step(row, s, layer, token, phase, p, cap, st, sc, adm):
+    skeleton.step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
+                  on_evict, on_insert)
+
+
+@njit(cache=True, _nrt=True)
+def seed(keys, loaded, s, parts, num_experts, cap, st, sc):
+    skeleton.seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert)

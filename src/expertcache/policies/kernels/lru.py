@@ -1,14 +1,5 @@
-"""Kernel of ``lru`` and ``fifo`` (policies/lru.py, fifo.py): one list per partition.
-
-Also LRU at every size from one pass (``lru_distances``): under step protection
-the victim is always the least recent key *outside* the step, and every key of a
-step ends at the recent end in rank order. By induction a full cache then holds
-exactly the ``C`` most recently used keys (recency = position in the flattened
-access sequence), so a key is a hit iff fewer than ``C`` distinct keys were used
-between its last use and the *start* of its step. The pass measures that distance
-for every access (Fenwick tree over positions, queries before the step's updates),
-and a histogram answers every capacity at once.
-"""
+"""Kernel of ``lru`` and ``fifo`` (policies/lru.py, fifo.py): one list per partition,
+oldest first; a hit moves its key to the recent end unless the policy is FIFO."""
 
 from __future__ import annotations
 
@@ -16,35 +7,21 @@ import numpy as np
 from numba import njit
 
 from . import skeleton
-from .skeleton import ACC, ALWAYS, EVICT, HIT, LOAD, MISS, hook, specialize
+from .skeleton import hook
 
 
-def run(prep, policy, parts: int, cap: int, admission: tuple) -> np.ndarray:
-    """Counts ``[2, L, 6]`` of ``policy`` (an LRU or FIFO) at ``cap`` slots per partition."""
-    from ...policies.fifo import FIFO
-    nkeys = prep.L * prep.E
-    st = (np.full(nkeys, -1, np.int32), np.full(nkeys, -1, np.int32),   # links, oldest first
-          np.full(parts, -1, np.int32), np.full(parts, -1, np.int32),   # head, tail per partition
-          np.array([not isinstance(policy, FIFO)]))                     # FIFO: hits do not reorder
-    return skeleton.run(replay, prep, parts, cap, st, admission)
-
-
-def all_sizes(prep, spec, slots_list, partition: str):
-    """Plain LRU (admission always) at every size from one stack-distance pass; else None."""
-    from ...policies.fifo import FIFO
-    from ..replay import lru_all_sizes
-    if issubclass(spec.eviction_cls, FIFO) or spec.admission_cls.kernel != ALWAYS:
-        return None
-    return lru_all_sizes(prep, slots_list, partition, spec)
+def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
+    """Empty lists for ``policy`` (an LRU or FIFO: its ``reorders``)."""
+    return (np.full(nkeys, -1, np.int32), np.full(nkeys, -1, np.int32),   # links, oldest first
+            np.full(parts, -1, np.int32), np.full(parts, -1, np.int32),   # head, tail per partition
+            np.array([policy.reorders]))                                  # FIFO: hits do not reorder
 
 
 # One list per partition, written out here rather than with lists.py's helpers: this is
 # the hottest kernel, and it keeps neither sizes nor list ids.
-STATE = ("prev", "nxt", "head", "tail", "recency")
-
-
 @hook
-def on_hit(key, p, s, j, prev, nxt, head, tail, recency):
+def on_hit(key, p, s, st):
+    prev, nxt, head, tail, recency = st
     if recency[0] and tail[p] != key:  # LRU: to the recent end (the key has a successor)
         a, b = prev[key], nxt[key]
         if a >= 0:
@@ -57,7 +34,8 @@ def on_hit(key, p, s, j, prev, nxt, head, tail, recency):
 
 
 @hook
-def find_victim(p, s, stamp, prev, nxt, head, tail, recency):
+def find_victim(p, s, stamp, st):
+    prev, nxt, head, tail, recency = st
     key = head[p]
     while key >= 0 and stamp[key] == s:
         key = nxt[key]
@@ -65,7 +43,8 @@ def find_victim(p, s, stamp, prev, nxt, head, tail, recency):
 
 
 @hook
-def on_evict(key, p, prev, nxt, head, tail, recency):
+def on_evict(key, p, st):
+    prev, nxt, head, tail, recency = st
     a, b = prev[key], nxt[key]
     if a >= 0:
         nxt[a] = b
@@ -78,7 +57,8 @@ def on_evict(key, p, prev, nxt, head, tail, recency):
 
 
 @hook
-def on_insert(key, p, s, j, prev, nxt, head, tail, recency):
+def on_insert(key, p, s, st):
+    prev, nxt, head, tail, recency = st
     t = tail[p]
     prev[key], nxt[key] = t, -1
     if t >= 0:
@@ -88,7 +68,40 @@ def on_insert(key, p, s, j, prev, nxt, head, tail, recency):
     tail[p] = key
 
 
-replay = specialize(globals(), "lru_replay")
+# -- entry points: the shared step with this module's hooks (skeleton.py) --------------
+@njit(cache=True, _nrt=False)
+def replay(keys, phases, L, parts, cap, st, sc, adm):
+    skeleton.replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+                    on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def step(row, s, layer, token, phase, p, cap, st, sc, adm):
+    skeleton.step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
+                  on_evict, on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def seed(keys, loaded, s, parts, num_experts, cap, st, sc):
+    skeleton.seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert)
+
+
+# -- entry points: the shared step with this module's hooks (skeleton.py) --------------
+@njit(cache=True, _nrt=False)
+def replay(keys, phases, L, parts, cap, st, sc, adm):
+    skeleton.replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+                    on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def step(row, s, layer, token, phase, p, cap, st, sc, adm):
+    skeleton.step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
+                  on_evict, on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def seed(keys, loaded, s, parts, num_experts, cap, st, sc):
+    skeleton.seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert)
 
 
 # -- LRU at every capacity (stack distances) ------------------------------------
