@@ -139,7 +139,7 @@ class ExpertCache:
             return False
         if self.miss == "cpu":
             return True
-        return prefer_cpu(self.cost, self.hardware, tokens[expert], self.slot_format)
+        return prefer_cpu(self.cost, self.hardware, tokens[expert], self.slot_format, self.kernels is not None)
 
     def set_phase(self, seq_len: int | None) -> None:
         self.phase = None if seq_len is None else (PREFILL if seq_len > 1 else DECODE)
