@@ -7,7 +7,7 @@ locally, converted by llama.cpp's ``convert_hf_to_gguf.py`` to F16 and quantized
 llama-cpp-python sdist (``pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36``,
 unpacked; ``vendor/llama.cpp`` built with cmake: targets llama-bench llama-quantize llama).
 
-The tokenizer is a byte-level BPE of the 256 byte symbols (padded by the converter to the
+The tokenizer is a byte-level BPE of the 256 byte symbols and five merges (padded by the converter to the
 vocabulary size); the converter does not know its pre-tokenizer hash, so it is told
 'qwen2' (what Qwen3's own files map to). Weights are seeded: same command, same file.
 
@@ -51,8 +51,11 @@ def save_hf(out: Path, seed: int) -> None:
     model = tf.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(out)
     vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n")]  # llama.cpp wants some
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out)
