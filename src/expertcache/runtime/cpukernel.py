@@ -21,6 +21,10 @@ from .quantized import Codec, Kind, _join
 # Graphs for at most this many pairs are kept (decode steps: top-k of them, a handful of
 # sizes); bigger ones (prefill) are built per call, which costs microseconds next to them.
 _CACHED_PAIRS = 64
+# Decode-sized steps run on one ggml thread: measured on 2 cores (Qwen3-MoE 1024/768, 8 Q4_K
+# experts per layer) 2.7 ms with one thread against 4-8 ms with ggml's pool of 2, whose
+# workers contend with torch's own threads; bigger steps (prefill) take torch's thread count.
+_ONE_THREAD_PAIRS = 16
 
 
 class GgmlExperts:
@@ -55,7 +59,8 @@ class GgmlExperts:
     def _matmul(self, parts: tuple[str, ...], x: torch.Tensor, ids: torch.Tensor,
                 tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """[x @ W_p[ids].T for each part p]: one graph, parts sharing the input."""
-        n, threads = x.shape[0], torch.get_num_threads()
+        n = x.shape[0]
+        threads = 1 if n <= _ONE_THREAD_PAIRS else torch.get_num_threads()
         key = (parts, n, threads, *(tuple(tensors[p].shape) for p in parts))
         graph = self._graphs.get(key)
         if graph is None:
