@@ -147,9 +147,6 @@ class Weight:
     def __init__(self, ggml_type: int, rows: int, cols: int, n: int, stride: int) -> None:
         self.ggml_type, self.rows, self.cols, self.n, self.stride = ggml_type, rows, cols, n, stride
 
-    def key(self) -> tuple:
-        return self.ggml_type, self.rows, self.cols, self.n, self.stride
-
 
 class MatmulId:
     """``out_j[p] = W_j[ids[p]] @ x[p]`` for pairs p < N and weights j sharing one input.
