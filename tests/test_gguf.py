@@ -62,8 +62,8 @@ def test_quantized_bytes_cross_and_fill_slots(tmp_path):
     header = read_header(path)
     expected = sum(header.first_layer[p].nbytes // 8 for p in ("gate.weight", "up.weight", "down.weight"))
     assert header.expert_bytes == expected == 2 * 512 * 144 + 256 * 2 * 210  # Q4_K 144 B, Q6_K 210 B / 256
-    quantized = expertcache.offload(path, slots=6, slot_format="quantized")
-    dequantized = expertcache.offload(path, slots=6, slot_format="dequantized")
+    quantized = expertcache.offload(path, slots=6, slot_format="quantized", cpu_kernel="torch")
+    dequantized = expertcache.offload(path, slots=6, slot_format="dequantized", cpu_kernel="torch")
     f32_expert = 3 * 256 * 512 * 4
     assert quantized.expertcache.pool.slot_bytes == (6 + 2) * expected
     assert dequantized.expertcache.pool.slot_bytes == (6 + 2) * f32_expert
@@ -83,7 +83,7 @@ def test_layers_with_different_types_like_q4_k_m(tmp_path, slot_format):
     assert sizes[0] > sizes[1] and header.expert_bytes == sizes[0]
     assert header.quant_types["down.weight"] == "Q4_K/Q6_K"
     ref = reference(path)
-    model = expertcache.offload(path, slots=6, slot_format=slot_format)
+    model = expertcache.offload(path, slots=6, slot_format=slot_format, cpu_kernel="torch")
     with torch.no_grad():
         assert (model(PROMPT).logits - ref(PROMPT).logits).abs().max().item() <= 1e-4
         want = ref.generate(PROMPT, max_new_tokens=8, do_sample=False)
@@ -110,7 +110,7 @@ def test_baselines_move_quantized_bytes(tmp_path):
     with torch.no_grad():
         want = ref.generate(PROMPT, max_new_tokens=6, do_sample=False)
     for baseline in ("resident", "copy-every-pass", "cpu"):
-        model = expertcache.offload(path, baseline=baseline)
+        model = expertcache.offload(path, baseline=baseline, cpu_kernel="torch")
         with torch.no_grad():
             assert torch.equal(model.generate(PROMPT, max_new_tokens=6, do_sample=False), want), baseline
         stats, cache = model.expertcache.stats(), model.expertcache
@@ -151,7 +151,7 @@ def test_qwen2moe_with_shared_expert(tmp_path):
     values.update(moe_intermediate_size=EXPERT_FF, shared_expert_intermediate_size=256)
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                config=AutoConfig.for_model(**values)).eval()
-    model = expertcache.offload(path, slots=6)
+    model = expertcache.offload(path, slots=6, cpu_kernel="torch")
     with torch.no_grad():
         assert (model(PROMPT).logits - ref(PROMPT).logits).abs().max().item() <= 1e-4
 

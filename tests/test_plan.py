@@ -11,7 +11,8 @@ import pytest
 import expertcache
 from expertcache.cli import main
 from expertcache.costmodel import load_hardware, model_experts
-from expertcache.sim.plan import plan, pool_slots
+from expertcache.quant.ggml import available as ggml_available
+from expertcache.sim.plan import cpu_kernel, plan, pool_slots
 from gguf_models import write_gguf
 
 
@@ -29,9 +30,13 @@ def test_plan_slots_equal_the_runtime_sizing(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q4_0", experts=32)
     model = model_experts(str(path), compute_dtype="float32")  # the CPU runtime computes in float32
     budget = 8 * 2 ** 20
-    for fmt in ("quantized", "dequantized"):
-        live = expertcache.offload(path, gpu_memory=budget, slot_format=fmt).expertcache
-        assert pool_slots(model, budget, fmt) == live.pool.slots, fmt
+    for kernel in ("auto", "torch"):
+        ggml = cpu_kernel(model, kernel)[0] == "ggml"
+        for fmt in ("quantized", "dequantized"):
+            live = expertcache.offload(path, gpu_memory=budget, slot_format=fmt, cpu_kernel=kernel).expertcache
+            direct = ggml and fmt == "quantized" and live.device.type == "cpu"  # ggml reads CPU slots: no scratch
+            assert live.direct == direct
+            assert pool_slots(model, budget, fmt, direct=direct) == live.pool.slots, (kernel, fmt)
 
 
 def test_plan_promises_the_slots_the_run_builds(tmp_path):
@@ -39,17 +44,24 @@ def test_plan_promises_the_slots_the_run_builds(tmp_path):
     where plan once sized bf16 and promised twice the slots) and slot format, its staging."""
     path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q4_0", experts=32)
     out, budget = tmp_path / "plan.json", "8MiB"
-    assert main(["plan", str(path), "--gpu-memory", budget, "--device", "cpu", "--json", str(out)]) == 0
-    planned = json.loads(out.read_text())
-    fmt = planned["run_slot_format"]
-    assert (planned["device"], planned["compute_dtype"], fmt) == ("cpu", "float32", "dequantized")
-    model = model_experts(str(path), compute_dtype=planned["compute_dtype"])
-    for miss in ("fetch", "cpu"):  # misses on the CPU keep no staging slots: more cache slots
-        live = expertcache.offload(path, gpu_memory=budget, device="cpu", miss=miss).expertcache
-        assert live.slot_format == fmt and live.pool.slots == pool_slots(model, 8 * 2 ** 20, fmt, miss)
-        assert live.pool.slots < live.num_layers * live.num_experts  # sized by the budget, not capped
-        if miss == "fetch":
-            assert planned["slots"][fmt] == live.pool.slots
+    for kernel in ("auto", "torch"):  # with ggml (when installed) quantized CPU slots, no scratch
+        assert main(["plan", str(path), "--gpu-memory", budget, "--device", "cpu", "--cpu-kernel", kernel,
+                     "--json", str(out)]) == 0
+        planned = json.loads(out.read_text())
+        fmt, ggml = planned["run_slot_format"], planned["cpu_kernel"] == "ggml"
+        assert ggml == (kernel == "auto" and ggml_available()[0])
+        assert (planned["device"], planned["compute_dtype"], fmt) == \
+            ("cpu", "float32", "quantized" if ggml else "dequantized")
+        model = model_experts(str(path), compute_dtype=planned["compute_dtype"])
+        for miss in ("fetch", "cpu"):  # misses on the CPU keep no staging slots: more cache slots
+            live = expertcache.offload(path, gpu_memory=budget, device="cpu", miss=miss,
+                                       cpu_kernel=kernel).expertcache
+            assert live.cpu_kernel == planned["cpu_kernel"]
+            assert live.slot_format == fmt
+            assert live.pool.slots == pool_slots(model, 8 * 2 ** 20, fmt, miss, direct=ggml)
+            assert live.pool.slots < live.num_layers * live.num_experts  # sized by the budget, not capped
+            if miss == "fetch":
+                assert planned["slots"][fmt] == live.pool.slots
     assert main(["plan", str(path), "--gpu-memory", budget, "--json", str(out)]) == 0
     import torch
 

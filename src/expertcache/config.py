@@ -28,6 +28,11 @@ SLOT_KINDS = ("plain", *QUANT_SLOT_FORMATS)
 # Where quantized expert bytes live on the host: a copy in RAM (pinned with CUDA), the
 # memory-mapped file (the OS page cache is the middle tier), or 'auto': a copy when it fits.
 HOST_MEMORY = ("auto", "copy", "mmap")
+# How experts computed on the CPU (miss path 'cpu', baseline 'cpu', slots on a CPU device) do
+# their math: 'ggml' runs ggml's quantized kernels on the stored bytes (what llama.cpp runs;
+# activations quantized to 8 bits, docs/cpu.md), 'torch' dequantizes then matmuls (exact),
+# 'auto' takes ggml where libggml-python is installed and the expert type has a kernel.
+CPU_KERNELS = ("auto", "ggml", "torch")
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,8 @@ class CacheConfig:
     'resident': every expert; 'cpu' and 'copy-every-pass': none; admission 'never').
     ``staging`` extra slots stream the experts a step needs beyond what the cache admits
     (default: top-k); they are not part of ``slots``. ``slot_format`` and
-    ``host_memory`` only matter for quantized experts (GGUF files, MXFP4, FP8).
+    ``host_memory`` only matter for quantized experts (GGUF files, MXFP4, FP8), and so does
+    ``cpu_kernel``: how such experts are computed wherever they are computed on the CPU.
     """
 
     slots: int | None = None
@@ -57,6 +63,7 @@ class CacheConfig:
     imatrix_mode: str = "pin"           # placed before step 1: 'pin' (never evicted) or 'seed' (evictable)
     slot_format: str = "auto"
     host_memory: str = "auto"
+    cpu_kernel: str = "auto"            # quantized experts on the CPU: CPU_KERNELS
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
     # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
     eviction_params: InitVar[dict | None] = None
@@ -76,6 +83,7 @@ class CacheConfig:
         self._check_choice("imatrix_mode", self.imatrix_mode, IMATRIX_MODES)
         self._check_choice("slot_format", self.slot_format, SLOT_FORMATS)
         self._check_choice("host_memory", self.host_memory, HOST_MEMORY)
+        self._check_choice("cpu_kernel", self.cpu_kernel, CPU_KERNELS)
         if self.device is not None and not isinstance(self.device, str):
             # accept torch.device without importing torch (frozen: set through object)
             object.__setattr__(self, "device", str(self.device))

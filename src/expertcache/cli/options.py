@@ -7,7 +7,7 @@ POLICY_HELP = ("EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]], e.g. default
 
 
 def add_cache_options(p) -> None:
-    from ..config import BASELINES, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, PARTITIONS, SLOT_FORMATS
+    from ..config import BASELINES, CPU_KERNELS, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, PARTITIONS, SLOT_FORMATS
 
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="experts the device pool caches (all layers)")
@@ -21,8 +21,13 @@ def add_cache_options(p) -> None:
     p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--slot-format", default="auto", choices=SLOT_FORMATS,
                    help="quantized experts: slots hold the quantized bytes (dequantized per use) or the "
-                        "compute dtype (dequantized once per load); auto: quantized on a GPU, "
-                        "dequantized on the CPU (docs/quantized.md)")
+                        "compute dtype (dequantized once per load); auto: quantized on a GPU and on the "
+                        "CPU with ggml kernels, else dequantized (docs/quantized.md)")
+    p.add_argument("--cpu-kernel", default="auto", choices=CPU_KERNELS,
+                   help="quantized experts computed on the CPU: ggml's kernels on the stored bytes "
+                        "(llama.cpp's; activations quantized to 8 bits), torch (dequantize, then matmul: "
+                        "exact), or auto: ggml when libggml-python is installed and the type has a "
+                        "kernel (docs/cpu.md)")
     p.add_argument("--host-memory", default="auto", choices=HOST_MEMORY,
                    help="quantized experts on the host: a copy in RAM (pinned with CUDA), the "
                         "memory-mapped file, or auto (a pinned copy when it fits, else the file)")
@@ -45,7 +50,7 @@ def cache_config(args):
                        miss=args.miss, baseline=args.baseline, staging=args.staging,
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
-                       host_memory=args.host_memory, hardware=args.hardware)
+                       host_memory=args.host_memory, cpu_kernel=args.cpu_kernel, hardware=args.hardware)
 
 
 def add_sampling_options(p, temperature: float) -> None:

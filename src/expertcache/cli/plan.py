@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from ..config import DTYPES, PARTITIONS
+    from ..config import CPU_KERNELS, DTYPES, PARTITIONS
 
     p = sub.add_parser("plan", help="before loading: slots per slot format, predicted tok/s, a recommendation",
                        description="Reads only the model's header (a GGUF file, or a preset name with --quant) "
@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
                    "compute dtype and slot format (default: cuda when this machine has a GPU driver)")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype of the run (default: bfloat16 on cuda, "
                    "float32 on cpu, as the run's)")
+    p.add_argument("--cpu-kernel", default="auto", choices=CPU_KERNELS,
+                   help="the run's cpu_kernel: with ggml, quantized CPU slots need no scratch (docs/cpu.md)")
     p.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
     p.set_defaults(func=run)
 
@@ -49,7 +51,7 @@ def run(args) -> int:
     model = model_experts(args.model, args.quant, compute_dtype=args.dtype or default_dtype(device))
     hw = load_hardware(args.hardware)
     trace, why = _trace(args, model) if args.trace else default_trace(model, args.tokens)
-    result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device)
+    result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device, args.cpu_kernel)
     _print(result, why)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -86,8 +86,11 @@ class ExpertCost:
 
 
 def miss_times(model: ExpertCost, hw: Hardware, slot_format: str = "dequantized",
-               tokens: int = 1) -> dict[str, float]:
-    """Seconds per expert for each way of serving it to ``tokens`` tokens: hit, fetch, cpu."""
+               tokens: int = 1, ggml: bool = False) -> dict[str, float]:
+    """Seconds per expert for each way of serving it to ``tokens`` tokens: hit, fetch, cpu.
+
+    ``ggml``: quantized experts on the CPU run ggml's kernels on the stored bytes (no host
+    dequantization: docs/cpu.md), else torch dequantizes them first."""
     if slot_format not in SLOT_FORMATS:
         raise ValueError(f"unknown slot format {slot_format!r}; use one of {', '.join(SLOT_FORMATS)}")
     gpu = hw.gpu_mem_gbps * GB
@@ -101,32 +104,35 @@ def miss_times(model: ExpertCost, hw: Hardware, slot_format: str = "dequantized"
     cpu = model.expert_bytes / (hw.cpu_mem_gbps * GB)
     if model.expert_flops:
         cpu = max(cpu, tokens * model.expert_flops / (hw.cpu_gflops * 1e9))
-        if model.quantized:
+        if model.quantized and not ggml:
             cpu += model.expert_flops / 2 / (hw.cpu_dequant_gelems * 1e9)
     return {"hit": hit, "fetch": fetch, "cpu": cpu}
 
 
-def prefer_cpu(model: ExpertCost, hw: Hardware, tokens: int, slot_format: str = "dequantized") -> bool:
+def prefer_cpu(model: ExpertCost, hw: Hardware, tokens: int, slot_format: str = "dequantized",
+               ggml: bool = False) -> bool:
     """The ``auto`` miss path's choice for one missed expert routed ``tokens`` tokens."""
-    t = miss_times(model, hw, slot_format, tokens)
+    t = miss_times(model, hw, slot_format, tokens, ggml)
     return t["cpu"] < t["fetch"]
 
 
 def token_time(hits: float, misses: float, model: ExpertCost, hw: Hardware, *,
-               layers: int = 0, miss_path: str = "auto", slot_format: str = "dequantized") -> float:
+               layers: int = 0, miss_path: str = "auto", slot_format: str = "dequantized",
+               ggml: bool = False) -> float:
     """Seconds per decode token given ``hits`` and ``misses`` per token (all layers)."""
     if miss_path not in MISS_PATHS:
         raise ValueError(f"unknown miss path {miss_path!r}; use one of {', '.join(MISS_PATHS)}")
-    t = miss_times(model, hw, slot_format)
+    t = miss_times(model, hw, slot_format, ggml=ggml)
     t_miss = min(t["fetch"], t["cpu"]) if miss_path == "auto" else t[miss_path]
     dense = model.dense_bytes / (hw.gpu_mem_gbps * GB)
     return dense + layers * hw.layer_overhead_s + hits * t["hit"] + misses * t_miss
 
 
 def tokens_per_second(hits: float, misses: float, model: ExpertCost, hw: Hardware, *,
-                      layers: int = 0, miss_path: str = "auto", slot_format: str = "dequantized") -> float:
+                      layers: int = 0, miss_path: str = "auto", slot_format: str = "dequantized",
+                      ggml: bool = False) -> float:
     return 1.0 / token_time(hits, misses, model, hw, layers=layers, miss_path=miss_path,
-                            slot_format=slot_format)
+                            slot_format=slot_format, ggml=ggml)
 
 
 def chosen_path(model: ExpertCost, hw: Hardware, miss_path: str = "auto",

@@ -23,14 +23,15 @@ def default_dtype(device_type: str) -> str:
     return "bfloat16" if device_type == "cuda" else "float32"
 
 
-def resolve_slot_format(choice: str, quantized: bool, device_type: str) -> str:
+def resolve_slot_format(choice: str, quantized: bool, device_type: str, ggml: bool = False) -> str:
     """What the configured ``slot_format`` means for these experts on this device.
 
     Float experts: 'plain' ('quantized' makes no sense for them). Quantized ones: the
     choice, or for 'auto' quantized slots on a GPU (dequantizing a few MiB per use is
-    memory bound, microseconds, and the pool holds 3-4x more experts) and dequantized
-    slots on the host (dequantizing per use costs more than the expert math there:
-    docs/quantized.md)."""
+    memory bound, microseconds, and the pool holds 3-4x more experts) and on the host
+    when ``ggml`` computes there (its kernels read the stored bytes: no dequantization at
+    all, docs/cpu.md); dequantized slots on the host otherwise (dequantizing per use in
+    torch costs more than the expert math there: docs/quantized.md)."""
     if not quantized:
         if choice not in ("auto", "dequantized"):
             raise ValueError(f"slot_format={choice!r} is for quantized experts; this model's experts are "
@@ -38,7 +39,7 @@ def resolve_slot_format(choice: str, quantized: bool, device_type: str) -> str:
         return "plain"
     if choice != "auto":
         return choice
-    return "quantized" if device_type == "cuda" else "dequantized"
+    return "quantized" if device_type == "cuda" or ggml else "dequantized"
 
 
 def staging_slots(miss: str, staging: int | None, top_k: int) -> int:
@@ -55,6 +56,7 @@ class PoolSizing:
     slot_format: str
     top_k: int
     staging: int
+    direct: bool = False  # ggml computes on the 'quantized' slots' bytes: no scratch
 
     @property
     def slot_bytes(self) -> int:
@@ -65,14 +67,14 @@ class PoolSizing:
     def scratch_experts(self) -> int:
         """Experts one step dequantizes at once with 'quantized' slots: a decode step's top-k
         (or the staging slots' count, if larger); prefill steps run in rounds of that many."""
-        return max(self.top_k, self.staging) if self.slot_format == "quantized" else 0
+        return max(self.top_k, self.staging) if self.slot_format == "quantized" and not self.direct else 0
 
     @property
     def extra_bytes(self) -> int:
         """Device bytes besides the slots: the per-step dequantization scratch ('quantized'
         slots) or the landing buffer one load is dequantized from ('dequantized' slots)."""
         if self.slot_format == "quantized":
-            return self.scratch_experts * self.cost.compute_bytes
+            return self.scratch_experts * self.cost.compute_bytes  # 0 when ggml reads the slots
         return self.cost.expert_bytes if self.slot_format == "dequantized" and self.cost.quantized else 0
 
     def device_bytes(self, slots: int) -> int:

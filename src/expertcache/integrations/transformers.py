@@ -32,7 +32,8 @@ def offload(model_or_path, *, config: CacheConfig | None = None, **settings):
     ``imatrix`` (path to an imatrix .gguf, trace or counts file whose hot experts are placed
     before the first forward; ``imatrix_mode`` 'pin' keeps them, 'seed' lets them be evicted),
     ``slot_format`` ('auto', 'quantized', 'dequantized') and ``host_memory`` ('auto', 'copy',
-    'mmap') for quantized experts, ``hardware`` (a preset or probe profile) for the cost
+    'mmap') for quantized experts, ``cpu_kernel`` ('auto', 'ggml', 'torch': how quantized experts
+    computed on the CPU do their math, docs/cpu.md), ``hardware`` (a preset or probe profile) for the cost
     model of ``miss='auto'``.
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """

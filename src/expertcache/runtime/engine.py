@@ -11,8 +11,10 @@ from ..costmodel import (DEFAULT, PRESETS, ExpertCost, Hardware, PoolSizing, pre
                          staging_slots)
 from ..costmodel.pool import cap_slots
 from ..imatrix.apply import place
+from ..quant.ggml import choose
 from ..sizes import format_size
 from ..stats import DECODE, PREFILL
+from .cpukernel import GgmlExperts
 from .device import free_memory
 from .host import HostExperts
 from .slots import SlotPool
@@ -31,13 +33,23 @@ class ExpertCache:
         # bytes one load moves (quantized: the stored bytes; the largest layer's if types differ)
         self.expert_bytes = max(host.expert_bytes for host in hosts)
         self.codec = hosts[0].codec
+        # how experts computed on the CPU do their math (ggml on the bytes, or torch), resolved once
+        self.cpu_kernel, self.cpu_kernel_reason = self._cpu_kernel(config.cpu_kernel)
+        self.kernels = [GgmlExperts(h.codec) for h in hosts] if self.cpu_kernel == "ggml" else None
+        ggml_here = self.kernels is not None and self.device.type == "cpu"
         # the slot format, resolved once; the compute dtype came with the hosts (loaders/)
-        self.slot_format = resolve_slot_format(config.slot_format, self.codec is not None, self.device.type)
+        self.slot_format = resolve_slot_format(config.slot_format, self.codec is not None, self.device.type,
+                                               ggml_here)
+        # ggml reads quantized CPU slots in place (no scratch); a resident run on the host then
+        # needs no slots at all: every expert is computed from the host's own bytes
+        self.direct = ggml_here and self.slot_format == "quantized"
+        self.host_resident = self.direct and run.baseline == "resident"
         self.miss, self.hardware = run.miss, hardware or PRESETS[DEFAULT]
         self.cost = self._expert_cost(hosts[0])
         # what the pool's slots, staging and scratch take: the same object plan sizes with
         self.sizing = PoolSizing(self.cost, self.slot_format, top_k,
-                                 0 if run.baseline == "resident" else staging_slots(run.miss, run.staging, top_k))
+                                 0 if run.baseline == "resident" else staging_slots(run.miss, run.staging, top_k),
+                                 self.direct)
         slots, pool_slots, staging = self._size(run)
         self.table = SlotTable(self.num_layers, self.num_experts, slots, eviction=run.eviction,
                                admission=run.admission, partition=run.partition, top_k=top_k)
@@ -52,6 +64,11 @@ class ExpertCache:
         elif counts is not None:
             self._place_imatrix(counts, config.imatrix_mode, run)
 
+    def _cpu_kernel(self, choice: str) -> tuple[str, str]:
+        if self.codec is None:
+            return "torch", "float experts: torch matmuls on their own weights"
+        return choose(choice, [p.fmt for h in self.hosts for p in h.codec.parts])
+
     def _expert_cost(self, host: HostExperts) -> ExpertCost:
         if self.codec is None:
             params = sum(t[0].numel() for t in host.tensors.values())
@@ -63,6 +80,8 @@ class ExpertCache:
         """(table slots, pool cache slots, staging slots) for this configuration."""
         L, E, k, sizing = self.num_layers, self.num_experts, self.top_k, self.sizing
         staging = sizing.staging
+        if self.host_resident:  # the host bytes are the slots: nothing to allocate
+            return L * E, 0, 0
         if run.baseline == "resident":
             self._check_free(sizing.device_bytes(L * E), "baseline 'resident' (every expert on the device)")
             return L * E, L * E, 0
@@ -97,6 +116,8 @@ class ExpertCache:
 
     def _preload_all(self) -> None:
         plan = self.table.seed(range(self.num_layers * self.num_experts))
+        if self.host_resident:
+            return  # computed from the host bytes in place
         for key, slot in plan.loads.items():
             layer, expert = divmod(key, self.num_experts)
             self.pool.load(slot, self.hosts[layer], expert)  # setup, not counted as traffic
@@ -118,7 +139,7 @@ class ExpertCache:
             return False
         if self.miss == "cpu":
             return True
-        return prefer_cpu(self.cost, self.hardware, tokens[expert], self.slot_format)
+        return prefer_cpu(self.cost, self.hardware, tokens[expert], self.slot_format, self.kernels is not None)
 
     def set_phase(self, seq_len: int | None) -> None:
         self.phase = None if seq_len is None else (PREFILL if seq_len > 1 else DECODE)
@@ -132,7 +153,9 @@ class ExpertCache:
     def stats(self) -> LiveStats:
         mode, reason = self.host_mode
         return LiveStats(self.table.stats(), self.h2d, {
-            "slot_format": self.slot_format, "bytes_per_slot": self.sizing.slot_bytes,
+            "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
+            "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
+            "bytes_per_slot": self.sizing.slot_bytes,
             "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason})
 
     def reset_stats(self) -> None:
@@ -158,7 +181,9 @@ class ExpertCache:
         return {"layers": self.num_layers, "experts": self.num_experts, "top_k": self.top_k,
                 "slots": self.pool.slots, "staging": self.pool.staging,
                 "slot_bytes": self.slot_bytes, "expert_bytes": self.expert_bytes,
-                "slot_format": self.slot_format, "scratch_bytes": self.pool.scratch_bytes,
+                "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
+                "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
+                "scratch_bytes": self.pool.scratch_bytes,
                 "bytes_per_slot": self.sizing.slot_bytes,
                 "quant": None if self.codec is None else sorted({p.fmt.name for h in self.hosts
                                                                  for p in h.codec.parts}),
@@ -169,5 +194,5 @@ class ExpertCache:
         return (f"ExpertCache({self.num_layers} layers x {self.num_experts} experts, "
                 f"{self.pool.slots} slots + {self.pool.staging} staging = {format_size(self.slot_bytes)} "
                 f"({self.slot_format}) on {self.device}, {self.config.eviction}+{self.config.admission}, "
-                f"miss={self.miss}, host {self.host_mode[0]})")
+                f"miss={self.miss}, cpu_kernel={self.cpu_kernel}, host {self.host_mode[0]})")
 

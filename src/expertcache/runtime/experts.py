@@ -16,6 +16,7 @@ import torch
 
 from ..stats import DECODE, PREFILL
 from .compute import grouped_over_slots
+from .cpukernel import ggml_experts
 from .miss import cpu_experts
 
 IMPLEMENTATION = "expertcache"
@@ -40,6 +41,9 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     phase = cache.phase if cache.phase is not None else (PREFILL if len(idx_rows) > 1 else DECODE)
     plan = cache.table.step(layer, list(dict.fromkeys(chain.from_iterable(idx_rows))), phase)
     base, host, pool = layer * cache.num_experts, cache.hosts[layer], cache.pool
+    if cache.host_resident:  # every expert computed from the host's bytes by ggml (no slots, no loads)
+        used = {key - base: key - base for key in plan.hits}
+        return ggml_experts(cache.kernels[layer], module, hidden, top_k_weights, idx_rows, used, host.tensors)
     for key, slot in plan.loads.items():  # the table now counts these resident: always copy
         cache.h2d[phase][layer] += pool.load(slot, host, key - base)
 
@@ -61,7 +65,11 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
         for t, row in enumerate(idx_rows):
             for k, e in enumerate(row):
                 pairs[e].append((t, k))
-        y = cpu_experts(module, host, on_cpu, pairs, hidden_h, weights_h)
+        if cache.kernels is not None:
+            y = ggml_experts(cache.kernels[layer], module, hidden_h, weights_h, idx_rows,
+                             {e: e for e in on_cpu}, host.tensors)
+        else:
+            y = cpu_experts(module, host, on_cpu, pairs, hidden_h, weights_h)
         y = y.pin_memory().to(hidden.device, non_blocking=True) if pool.cuda else y.to(hidden.device)
         out = y if out is None else out + y
     return out
@@ -92,6 +100,10 @@ def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weigh
         if not mapping:
             continue
         pool.ready(mapping.values())  # compute waits for copies into the slots it reads
+        if cache.direct:  # ggml on the slots' bytes (CPU): no dequantization, no scratch
+            y = ggml_experts(cache.kernels[layer], module, hidden, top_k_weights, idx_rows, mapping, pool.tensors)
+            out = y if out is None else out + y
+            continue
         weights, rows = pool.view(mapping, host)
         size = next(iter(weights.values())).shape[0]
         slot_idx = _slot_index(rows, cache.num_experts, size, top_k_index)

@@ -56,7 +56,8 @@ class SlotPool:
         self.tensors = {kind: torch.zeros((self.size, *shape), dtype=dtype, device=self.device)
                         for kind, (shape, dtype) in layout.items()}
         # most experts one view() dequantizes at once (quantized slots): the scratch size
-        self.max_view = scratch if slot_format == "quantized" else None
+        # (None: no limit, also when ggml computes on the quantized slots and needs no scratch)
+        self.max_view = (scratch or None) if slot_format == "quantized" else None
         self.cuda = self.device.type == "cuda"
         dtype = self.codec.dtype if self.codec is not None else next(iter(layout.values()))[1]
         self.grouped = grouped_mm_works(self.device, dtype)  # else a loop of matmuls over used slots

@@ -18,6 +18,8 @@ from ..stats import DECODE
 from ..trace.format import Trace
 from ..costmodel import Hardware, ModelExperts, PoolSizing, tokens_per_second
 from ..costmodel.pool import cap_slots, resolve_slot_format, staging_slots
+from ..quant.formats import QuantFormat, quant_format
+from ..quant.ggml import choose
 
 
 @dataclass(frozen=True)
@@ -34,45 +36,66 @@ def formats_for(model: ModelExperts) -> tuple[str, ...]:
     return ("quantized", "dequantized") if model.cost.quantized else ("plain",)
 
 
+def cpu_kernel(model: ModelExperts, choice: str = "auto") -> tuple[str, str]:
+    """('ggml' or 'torch', why): how the run computes quantized experts on the CPU, resolved as
+    the runtime resolves it (``quant.ggml.choose``) from the header's expert types."""
+    if not model.cost.quantized:
+        return "torch", "float experts"
+    formats = []
+    for name in model.quant.split("/"):
+        try:
+            formats.append(quant_format(name))
+        except ValueError:  # a type ggml does not name: it has no kernel
+            formats.append(QuantFormat(name, -1, 1, 1))
+    return choose(choice, formats)
+
+
 def pool_slots(model: ModelExperts, budget: int, slot_format: str, miss: str = "fetch",
-               partition: str = "global") -> int:
-    """Cache slots the runtime builds in ``budget`` (its own sizing, default staging)."""
+               partition: str = "global", direct: bool = False) -> int:
+    """Cache slots the runtime builds in ``budget`` (its own sizing, default staging; ``direct``:
+    ggml computes on 'quantized' CPU slots, so no scratch)."""
     k = model.top_k
-    sizing = PoolSizing(model.cost, slot_format, k, staging_slots(miss, None, k))
+    sizing = PoolSizing(model.cost, slot_format, k, staging_slots(miss, None, k), direct)
     return cap_slots(max(0, sizing.slots_in(budget)), model.layers, model.experts, partition)
 
 
 def plan(model: ModelExperts, gpu_memory: str | int, hw: Hardware, trace: Trace | None,
-         policies: list[str], partition: str = "global", device: str = "cuda") -> dict:
+         policies: list[str], partition: str = "global", device: str = "cuda", cpu_kernel_choice: str = "auto"
+         ) -> dict:
     """Rows for every (policy, slot format, miss path) and the baselines; the best first.
 
     ``device`` ('cuda' or 'cpu') is where the run would go: it picks the slot format the
-    run's 'auto' takes (``run_slot_format``); ``model`` carries the compute dtype."""
+    run's 'auto' takes (``run_slot_format``); ``model`` carries the compute dtype;
+    ``cpu_kernel_choice`` is the run's ``cpu_kernel`` (ggml on CPU slots needs no scratch)."""
     budget = parse_size(gpu_memory)
+    kernel, kernel_reason = cpu_kernel(model, cpu_kernel_choice)
+    ggml = kernel == "ggml"
+    direct = {fmt: ggml and device == "cpu" and fmt == "quantized" for fmt in formats_for(model)}
     per_token = model.layers * model.top_k  # expert uses per decode token
     rows = []
     for path in ("fetch", "cpu"):  # the baselines: nothing cached, every use a miss
         name = "copy-every-pass" if path == "fetch" else "cpu"
-        rows.append(PlanRow(name, "-", 0, 0.0, path, _tok_s(model, hw, 0, per_token, path, "dequantized")))
-    sizes = {fmt: pool_slots(model, budget, fmt, "fetch", partition) for fmt in formats_for(model)}
+        rows.append(PlanRow(name, "-", 0, 0.0, path, _tok_s(model, hw, 0, per_token, path, "dequantized", ggml)))
+    sizes = {fmt: pool_slots(model, budget, fmt, "fetch", partition, direct[fmt]) for fmt in formats_for(model)}
     hit_rates: dict[tuple[str, int], float] = {}
     for fmt in sizes:
         for path in MISS_PATHS:  # misses on the CPU need no staging slots: a bigger cache
-            slots = pool_slots(model, budget, fmt, path, partition)
+            slots = pool_slots(model, budget, fmt, path, partition, direct[fmt])
             if slots < model.top_k or trace is None:
                 continue
             for policy in policies:
                 if (policy, slots) not in hit_rates:
                     hit_rates[policy, slots] = _decode_hit_rate(trace, policy, slots, partition)
                 hits = hit_rates[policy, slots]
-                tok = _tok_s(model, hw, hits * per_token, (1 - hits) * per_token, path, fmt)
+                tok = _tok_s(model, hw, hits * per_token, (1 - hits) * per_token, path, fmt, ggml)
                 rows.append(PlanRow(f"{policy}, {fmt} slots, miss {path}", fmt, slots, hits, path, tok))
     ranked = sorted(rows, key=lambda r: -(r.tok_s or 0.0))
     return {"model": model.name, "layers": model.layers, "experts": model.experts, "top_k": model.top_k,
             "quant": model.quant, "expert_bytes": model.cost.expert_bytes,
             "compute_bytes": model.cost.compute_bytes, "gpu_memory": budget, "hardware": hw.name,
             "device": device, "compute_dtype": model.compute_dtype,
-            "run_slot_format": resolve_slot_format("auto", model.cost.quantized, device),
+            "run_slot_format": resolve_slot_format("auto", model.cost.quantized, device, ggml and device == "cpu"),
+            "cpu_kernel": kernel, "cpu_kernel_reason": kernel_reason,
             "slots": sizes, "trace": None if trace is None else trace.meta.get("source", "trace"),
             "rows": [asdict(r) for r in ranked],
             # without hit rates there is no cache row to weigh against the baselines: no verdict
@@ -86,9 +109,10 @@ def _decode_hit_rate(trace: Trace, policy: str, slots: int, partition: str) -> f
     return stats.hits / stats.accesses if stats.accesses else 0.0
 
 
-def _tok_s(model: ModelExperts, hw: Hardware, hits: float, misses: float, path: str, fmt: str) -> float:
+def _tok_s(model: ModelExperts, hw: Hardware, hits: float, misses: float, path: str, fmt: str,
+           ggml: bool = False) -> float:
     return tokens_per_second(hits, misses, model.cost, hw, layers=model.layers, miss_path=path,
-                             slot_format=fmt)
+                             slot_format=fmt, ggml=ggml)
 
 
 def default_trace(model: ModelExperts, tokens: int, seed: int = 0) -> tuple[Trace | None, str]:

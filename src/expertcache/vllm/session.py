@@ -41,6 +41,7 @@ class Session:
         self.top_k = self.num_experts = None
         self.pool: SlotPool | None = None
         self.table: SlotTable | None = None
+        self.slot_map = None      # expert -> slot per layer (step.SlotMap), made with the table
         self.h2d: list[list[int]] | None = None
         self.steps = 0            # counted forward passes (engine steps)
         self.tokens = [0, 0]      # counted tokens per phase (prefill, decode)
@@ -96,6 +97,8 @@ class Session:
         self.table = SlotTable(L, E, self.pool.slots, eviction=run.eviction, admission=run.admission,
                                partition=run.partition, top_k=self.top_k)
         self.h2d = [[0] * L for _ in range(2)]
+        from .step import SlotMap
+        self.slot_map = SlotMap(L, E, self.pool.device)
         if run.imatrix is not None:
             self._place_imatrix()
         from .telemetry import Telemetry

@@ -91,11 +91,10 @@ def _planned(session, index, layer, kernel, x, topk_weights, topk_ids, rows, pha
             session.h2d[phase][index] += pool.load(slot, host, expert)
             mapping[expert] = slot
         pool.ready()
-        lut = _lut(mapping, session.num_experts, topk_ids.device)
-        ids = lut[topk_ids.long()].to(topk_ids.dtype)
-        if len(rounds) == 1:
-            y = kernel(x, topk_weights, ids)  # the plain single call: vLLM's own arithmetic
+        if len(rounds) == 1:  # the plain single call: vLLM's own arithmetic
+            y = kernel(x, topk_weights, session.slot_map.ids(index, mapping, topk_ids))
         else:
+            ids = _lut(mapping, session.num_experts, topk_ids.device)[topk_ids.long()].to(topk_ids.dtype)
             inside = _inside(mapping, session.num_experts, topk_ids.device)[topk_ids.long()]
             y = kernel(x, topk_weights * inside.to(topk_weights.dtype), ids)
         out = y if out is None else out + y
@@ -115,6 +114,39 @@ class _Timed:
         out = self.kernel(*args)
         self.seconds += time.perf_counter() - t
         return out
+
+
+class SlotMap:
+    """Expert id -> slot per layer, kept across steps: a step writes only the entries that
+    changed (its loads and staged experts), so an all-hit step costs one gather.
+
+    ``known`` (Python lists, cheap to compare) is the map as last written; ``table`` int32
+    [L, E] on the device is what the gather reads. Entries of experts not in the current
+    step may be stale, but they always name a valid slot (padding rows read them; their
+    output is discarded). A fresh lookup table per step cost ~100 us per layer step on the CPU.
+    """
+
+    def __init__(self, layers: int, num_experts: int, device) -> None:
+        self.known = [[0] * num_experts for _ in range(layers)]
+        self.table = torch.zeros((layers, num_experts), dtype=torch.int32, device=device)
+        self.rows = list(self.table)  # per-layer views, made once
+        # on the CPU, numpy views of the same memory: element writes without a torch op each
+        self.host_rows = [r.numpy() for r in self.rows] if self.table.device.type == "cpu" else None
+
+    def ids(self, layer: int, mapping: dict[int, int], topk_ids: torch.Tensor) -> torch.Tensor:
+        """``topk_ids`` [T, K] int32 expert ids -> slot ids, with ``mapping`` (expert -> slot) applied."""
+        known = self.known[layer]
+        changed = [e for e, s in mapping.items() if known[e] != s]
+        if changed:
+            slots = [mapping[e] for e in changed]
+            for e, s in zip(changed, slots):
+                known[e] = s
+            if self.host_rows is not None:
+                self.host_rows[layer][changed] = slots
+            else:  # one small host -> device copy, ordered on the compute stream before the gather
+                row = self.rows[layer]
+                row[changed] = torch.tensor(slots, dtype=torch.int32).to(row.device, non_blocking=True)
+        return self.rows[layer][topk_ids].to(topk_ids.dtype)
 
 
 def _lut(mapping: dict[int, int], num_experts: int, device) -> torch.Tensor:

@@ -1,0 +1,191 @@
+"""Experts on the CPU next to llama.cpp: decode tok/s and peak RSS, one table (issue 18).
+
+Every configuration runs in its own process (its peak RSS is the child's ``ru_maxrss``),
+and the configurations are interleaved over ``--repeats`` rounds, so that load from other
+processes hits all of them alike; the table shows the best round of each (llama-bench's
+threads spin-wait and suffer most from a busy machine), the JSON every round.
+
+    python benchmarks/bench_cpu.py /work/refs/cpu-model/model-Q4_K_M.gguf \\
+        --llama-bench /work/refs/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-bench \\
+        --threads 2 --tokens 32 --repeats 2 --json benchmarks/results/bench_cpu.json
+
+The model: ``benchmarks/make_cpu_model.py``. expertcache decodes greedily after an
+8-token prompt and 4 warm-up tokens, timing ``--tokens`` single-token forwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# (label, offload settings); 'slots' as a share of all experts is filled in per model
+CONFIGS = [
+    ("resident, ggml", dict(baseline="resident", cpu_kernel="ggml")),
+    ("resident, torch", dict(baseline="resident", cpu_kernel="torch")),
+    ("baseline cpu (ggml)", dict(baseline="cpu")),
+    ("25% quantized slots, fetch", dict(share=0.25, slot_format="quantized", miss="fetch")),
+    ("25% quantized slots, cpu", dict(share=0.25, slot_format="quantized", miss="cpu")),
+    ("25% quantized slots, auto", dict(share=0.25, slot_format="quantized", miss="auto")),
+    ("25% dequantized slots, fetch", dict(share=0.25, slot_format="dequantized", miss="fetch")),
+    ("25% dequantized slots, cpu", dict(share=0.25, slot_format="dequantized", miss="cpu")),
+    ("25% dequantized slots, auto", dict(share=0.25, slot_format="dequantized", miss="auto")),
+]
+LLAMA = "llama.cpp (llama-bench)"
+
+
+def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
+    """In the child process: load, decode, print one JSON line."""
+    import torch
+
+    import expertcache
+
+    torch.set_num_threads(threads)
+    settings = dict(settings)
+    share = settings.pop("share", None)
+    if share is not None:
+        from expertcache.ggufmodel.header import read_header
+
+        header = read_header(model)
+        settings["slots"] = max(1, round(share * len(header.moe_blocks) * header.num_experts))
+    start = time.perf_counter()
+    m = expertcache.offload(model, device="cpu", **settings)
+    load_s = time.perf_counter() - start
+    ids = torch.arange(100, 108).unsqueeze(0)                     # [1, 8] prompt
+    with torch.no_grad():
+        out = m(ids, use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+        def step():
+            nonlocal past, tok
+            out = m(tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+        for _ in range(4):
+            step()
+        start = time.perf_counter()
+        for _ in range(tokens):
+            step()
+        decode_s = time.perf_counter() - start
+    pool = m.expertcache.stats().pool
+    return {"tok_s": tokens / decode_s, "load_s": load_s, "cpu_kernel": pool["cpu_kernel"],
+            "slot_format": pool["slot_format"], "slots": m.expertcache.pool.slots,
+            "host_resident": pool["host_resident"]}
+
+
+def _run(cmd: list[str], out_path: Path) -> tuple[int, int]:
+    """(exit status, peak RSS bytes) of ``cmd``, its stdout into ``out_path``."""
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss * 1024
+
+
+def run_llama(llama_bench: str, model: str, threads: int, tokens: int, tmp: Path) -> dict:
+    out = tmp / "llama.json"
+    code, rss = _run([llama_bench, "-m", model, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1",
+                      "-o", "json"], out)
+    if code:
+        return {"error": f"llama-bench exited {code}"}
+    return {"tok_s": json.loads(out.read_text())[0]["avg_ts"], "peak_rss": rss}
+
+
+def run_config(model: str, settings: dict, threads: int, tokens: int, tmp: Path) -> dict:
+    out = tmp / "child.json"
+    code, rss = _run([sys.executable, __file__, "--child", json.dumps(settings), model,
+                      "--threads", str(threads), "--tokens", str(tokens)], out)
+    if code:
+        return {"error": f"child exited {code}"}
+    return {**json.loads(out.read_text().strip().splitlines()[-1]), "peak_rss": rss}
+
+
+def table(rows: dict[str, list[dict]], file_bytes: int) -> list[dict]:
+    """Best round per configuration; ratios to llama.cpp's tok/s and to the file's size."""
+    best = {}
+    for label, runs in rows.items():
+        ok = [r for r in runs if "tok_s" in r]
+        best[label] = max(ok, key=lambda r: r["tok_s"]) if ok else runs[-1]
+    ref = best.get(LLAMA, {}).get("tok_s")
+    out = []
+    for label, r in best.items():
+        out.append({"config": label, **r, "vs_llama": r["tok_s"] / ref if ref and "tok_s" in r else None,
+                    "rss_vs_file": r["peak_rss"] / file_bytes if "peak_rss" in r else None})
+    return out
+
+
+def plot(result: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result if "tok_s" in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
+    names = [r["config"] for r in rows]
+    a.barh(names, [r["tok_s"] for r in rows], color="tab:blue")
+    a.set_xlabel("decode tok/s")
+    b.barh(names, [r["peak_rss"] / 2 ** 30 for r in rows], color="tab:orange")
+    b.set_xlabel("peak RSS (GiB)")
+    a.invert_yaxis()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", help="a GGUF MoE file (benchmarks/make_cpu_model.py)")
+    p.add_argument("--llama-bench", help="path to llama.cpp's llama-bench (skipped, with a note, when absent)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens timed per run")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds; the best is shown")
+    p.add_argument("--only", help="comma-separated labels (substrings) of the configurations to run")
+    p.add_argument("--json", help="write every round and the table here")
+    p.add_argument("--plot", help="PNG of the table (default: next to --json)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.model, json.loads(args.child), args.threads, args.tokens)))
+        return 0
+    configs = [(label, s) for label, s in CONFIGS
+               if not args.only or any(k.strip() in label for k in args.only.split(","))]
+    llama = args.llama_bench if args.llama_bench and Path(args.llama_bench).exists() else None
+    if llama is None:
+        print(f"note: llama.cpp skipped ({'--llama-bench not given' if not args.llama_bench else args.llama_bench + ' not found'})")
+    rows: dict[str, list[dict]] = ({LLAMA: []} if llama else {}) | {label: [] for label, _ in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.repeats):
+            if llama:
+                rows[LLAMA].append(run_llama(llama, args.model, args.threads, args.tokens, Path(tmp)))
+            for label, settings in configs:
+                rows[label].append(run_config(args.model, settings, args.threads, args.tokens, Path(tmp)))
+                print(f"round {round_ + 1} {label}: {rows[label][-1]}", flush=True)
+    file_bytes = Path(args.model).stat().st_size
+    result = table(rows, file_bytes)
+    print(f"\n{Path(args.model).name} ({file_bytes / 2 ** 20:.0f} MiB), {args.threads} threads, "
+          f"{args.tokens} decode tokens, best of {args.repeats} interleaved rounds")
+    print(f"{'configuration':34} {'tok/s':>8} {'x llama':>8} {'peak RSS':>10} {'x file':>7}")
+    for r in result:
+        if "tok_s" not in r:
+            print(f"{r['config']:34} {r.get('error')}")
+            continue
+        vs = f"{r['vs_llama']:.3f}" if r["vs_llama"] is not None else "-"
+        print(f"{r['config']:34} {r['tok_s']:8.1f} {vs:>8} {r['peak_rss'] / 2 ** 30:9.2f}G {r['rss_vs_file']:7.2f}")
+    if args.json:
+        doc = {"model": str(args.model), "file_bytes": file_bytes, "threads": args.threads, "tokens": args.tokens,
+               "repeats": args.repeats, "table": result, "rounds": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        png = Path(args.plot or Path(args.json).with_suffix(".png"))
+        plot(result, png, f"{Path(args.model).name}: CPU decode, {args.threads} threads")
+        print(f"wrote {args.json} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

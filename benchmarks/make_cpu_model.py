@@ -1,0 +1,87 @@
+"""Rebuild the CPU benchmark's model: a Qwen3-MoE GGUF made by llama.cpp's own tools.
+
+A random but realistically shaped transformers Qwen3-MoE (hidden 1024, 64 experts, top-8,
+expert FF 768, 6 layers, Qwen's 151936-token vocabulary: 1.25 B parameters) is saved
+locally, converted by llama.cpp's ``convert_hf_to_gguf.py`` to F16 and quantized by
+``llama-quantize`` to Q4_K_M. Nothing is downloaded: the llama.cpp sources come from the
+llama-cpp-python sdist (``pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36``,
+unpacked; ``vendor/llama.cpp`` built with cmake: targets llama-bench llama-quantize llama).
+
+The tokenizer is a byte-level BPE of the 256 byte symbols and five merges (padded by the converter to the
+vocabulary size); the converter does not know its pre-tokenizer hash, so it is told
+'qwen2' (what Qwen3's own files map to). Weights are seeded: same command, same file.
+
+    python benchmarks/make_cpu_model.py --llama-cpp /work/refs/llama_cpp_python-0.3.36/vendor/llama.cpp \\
+        --out /work/refs/cpu-model
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+SHAPE = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+             vocab_size=151936, moe_intermediate_size=768, intermediate_size=3072, num_experts=64,
+             num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=4096,
+             rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+# Run inside a fresh interpreter: the converter's own gguf-py first, the pre-tokenizer named.
+CONVERT = """
+import sys
+sys.path.insert(0, {llama!r} + "/gguf-py"); sys.path.insert(0, {llama!r})
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", {hf!r}, "--outtype", "f16", "--outfile", {out!r}]
+convert_hf_to_gguf.main()
+"""
+
+
+def save_hf(out: Path, seed: int) -> None:
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    torch.manual_seed(seed)
+    config = tf.Qwen3MoeConfig(**SHAPE, bos_token_id=151643, eos_token_id=151643)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    model = tf.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(out)
+    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n")]  # llama.cpp wants some
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source tree, built (build/bin)")
+    p.add_argument("--out", required=True, type=Path, help="folder for hf/, model-f16.gguf, model-Q4_K_M.gguf")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    llama, out = args.llama_cpp.resolve(), args.out.resolve()
+    quantize = llama / "build" / "bin" / "llama-quantize"
+    if not (llama / "convert_hf_to_gguf.py").exists() or not quantize.exists():
+        sys.exit(f"{llama} needs convert_hf_to_gguf.py and build/bin/llama-quantize (build it with cmake)")
+    hf, f16, q4 = out / "hf", out / "model-f16.gguf", out / "model-Q4_K_M.gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    if not (hf / "config.json").exists():
+        save_hf(hf, args.seed)
+    if not f16.exists():
+        code = CONVERT.format(llama=str(llama), hf=str(hf), out=str(f16))
+        subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([str(quantize), str(f16), str(q4), "Q4_K_M"], check=True)
+    print(q4)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

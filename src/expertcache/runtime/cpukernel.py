@@ -1,0 +1,102 @@
+"""Experts computed by ggml's quantized kernels straight from their stored bytes.
+
+Wherever quantized experts are computed on the CPU (the ``cpu`` miss path, baseline
+``cpu``, slots on a CPU device, or a resident run reading the host bytes in place) and
+the run's ``cpu_kernel`` resolved to 'ggml' (``quant.ggml.choose``), a step's
+(token, rank) pairs go through ``ggml_mul_mat_id`` on the bytes: no dequantization, no
+float copy of any expert. The activation between the two matmuls (the module's own
+``_apply_gate`` / ``act_fn``), biases and the routing weights stay in torch, so every
+family computes as its eager code does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import ggml
+from ..quant.dequant import dequantize
+from .compute import _activate
+from .quantized import Codec, Kind, _join
+
+# Graphs for at most this many pairs are kept (decode steps: top-k of them, a handful of
+# sizes); bigger ones (prefill) are built per call, which costs microseconds next to them.
+_CACHED_PAIRS = 64
+# Decode-sized steps run on one ggml thread: measured on 2 cores (Qwen3-MoE 1024/768, 8 Q4_K
+# experts per layer) 2.7 ms with one thread against 4-8 ms with ggml's pool of 2, whose
+# workers contend with torch's own threads; bigger steps (prefill) take torch's thread count.
+_ONE_THREAD_PAIRS = 16
+
+
+class GgmlExperts:
+    """One layer's codec run by ggml: ``forward`` computes pairs from any ``[n, stride]`` byte
+    tensors holding that layer's parts (the host's experts, or the slot pool's)."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec, self.part = codec, codec.part
+        weights = [k for k in codec.kinds if len(self.part[k.parts[0]].shape) == 2]
+        self.first, self.down = weights[0], next(k for k in weights if k.name == "down_proj")
+        biases = {k.name: k for k in codec.kinds if k not in weights}
+        self.first_bias = biases.get(self.first.name + "_bias")
+        self.down_bias = biases.get("down_proj_bias")
+        self._graphs: dict[tuple, ggml.MatmulId] = {}
+
+    def forward(self, module: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
+                tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Experts' outputs for N pairs: x [N, H] (any float dtype), ids [N] int32 rows of
+        ``tensors`` (part -> [n, stride] uint8). Returns [N, H] float32."""
+        x = x.float().contiguous()
+        proj = _join(self.first, self._matmul(self.first.parts, x, ids, tensors))   # [N, 2I]
+        if self.first_bias is not None:
+            proj = proj + self._bias(self.first_bias, ids, tensors)
+        act = _activate(module, proj).float().contiguous()                           # [N, I]
+        out = self._matmul(self.down.parts, act, ids, tensors)[0]                    # [N, H]
+        if self.down_bias is not None:
+            out = out + self._bias(self.down_bias, ids, tensors)
+        if getattr(module, "has_post_expert_norm", False):
+            out = module.post_expert_norm(out)
+        return out
+
+    def _matmul(self, parts: tuple[str, ...], x: torch.Tensor, ids: torch.Tensor,
+                tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """[x @ W_p[ids].T for each part p]: one graph, parts sharing the input."""
+        n = x.shape[0]
+        threads = 1 if n <= _ONE_THREAD_PAIRS else torch.get_num_threads()
+        key = (parts, n, threads, *(tuple(tensors[p].shape) for p in parts))
+        graph = self._graphs.get(key)
+        if graph is None:
+            weights = [ggml.Weight(self.part[p].fmt.ggml_type, *self.part[p].shape, tensors[p].shape[0],
+                                   tensors[p].stride(0)) for p in parts]
+            graph = ggml.MatmulId(weights, n, threads)
+            if n <= _CACHED_PAIRS:
+                self._graphs[key] = graph
+        outs = [x.new_empty(n, self.part[p].shape[0]) for p in parts]  # [N, rows_p] each
+        graph([tensors[p].data_ptr() for p in parts], x.data_ptr(), ids.data_ptr(),
+              [o.data_ptr() for o in outs])
+        return outs
+
+    def _bias(self, kind: Kind, ids: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[N, rows] biases of the pairs' experts (tiny: dequantized with torch)."""
+        rows = ids.long()
+        parts = [dequantize(tensors[p].index_select(0, rows)[:, :self.part[p].nbytes], self.part[p].fmt,
+                            (len(rows), *self.part[p].shape), torch.float32) for p in kind.parts]
+        return _join(kind, parts)
+
+
+def ggml_experts(kernel: GgmlExperts, module: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor,
+                 idx_rows: list[list[int]], rows: dict[int, int], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum over the pairs whose expert is in ``rows`` (expert -> row of ``tensors``) of the expert's
+    output times its routing weight. hidden [T, H], weights [T, K] (host tensors); returns [T, H]."""
+    tok, rank, ids = [], [], []
+    for t, row in enumerate(idx_rows):
+        for k, e in enumerate(row):
+            if e in rows:
+                tok.append(t)
+                rank.append(k)
+                ids.append(rows[e])
+    out = torch.zeros_like(hidden)
+    if not tok:
+        return out
+    tok_idx = torch.tensor(tok)
+    y = kernel.forward(module, hidden.index_select(0, tok_idx), torch.tensor(ids, dtype=torch.int32), tensors)
+    y = y * weights[tok_idx, torch.tensor(rank)].unsqueeze(-1).to(y.dtype)   # [N, H]
+    return out.index_add_(0, tok_idx, y.to(out.dtype))
