@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from policy_research import CONFIGS, load, slots_of  # noqa: E402
 
 from expertcache.policies.next_use import _GAPS, _NCLASS, NextUse  # noqa: E402
-from expertcache.sim.kernels.skeleton import tally as _tally  # noqa: E402
-from expertcache.sim.kernels.lists import append as _append, remove as _remove  # noqa: E402
-from expertcache.sim.kernels.next_use import EDGES, _use, _victim  # noqa: E402
+from expertcache.policies.kernels.skeleton import tally as _tally  # noqa: E402
+from expertcache.policies.kernels.lists import append as _append, remove as _remove  # noqa: E402
+from expertcache.policies.kernels.next_use import EDGES, _use, _victim  # noqa: E402
 from expertcache.sim.replay import Prepared, replay  # noqa: E402
 
 

@@ -15,10 +15,10 @@ from numba import types
 from numba.typed import Dict
 
 from expertcache.policies.next_use import _GAPS, _NCLASS
-from expertcache.sim.kernels.lists import append as _append, remove as _remove
+from expertcache.policies.kernels.lists import append as _append, remove as _remove
 # the shipped kernel's own learning and victim search; this file varies the victim only
-from expertcache.sim.kernels.next_use import EDGES, _use, _victim
-from expertcache.sim.kernels.skeleton import tally as _tally
+from expertcache.policies.kernels.next_use import EDGES, _use, _victim
+from expertcache.policies.kernels.skeleton import tally as _tally
 
 
 def next_use_replay(keys, phases, L, E, parts, cap, policy, mode=0):

@@ -10,8 +10,8 @@ from numba import types
 from numba.typed import Dict
 
 from expertcache.policies.next_use import _EDGES, _GAPS, _MIN_OBS, _NCLASS, _TRUST
-from expertcache.sim.kernels.skeleton import tally as _tally
-from expertcache.sim.kernels.lists import append as _append, remove as _remove
+from expertcache.policies.kernels.skeleton import tally as _tally
+from expertcache.policies.kernels.lists import append as _append, remove as _remove
 
 EDGES = np.array(_EDGES, np.float64)
 

@@ -14,8 +14,8 @@ import operator
 from collections.abc import Iterable, Sequence
 
 from .keys import ExpertKey
-from .policies.admission import Always
 from .policies.base import AdmissionPolicy, EvictionPolicy
+from .policies.kernels import compiled
 from .policies.registry import PolicySpec, make_admission, make_eviction
 from .stats import DECODE, FIELDS, Stats, phase_code
 
@@ -55,8 +55,7 @@ class _Partition:
         # A plug-in admission policy's calls; None where they can be skipped (records
         # nothing / admits all) or where admission is a built-in rule (compiled).
         self.record = admission.record if admission is not None and admission.records else None
-        self.admit = None if admission is None or type(admission).admit is Always.admit \
-            else admission.admit
+        self.admit = None if admission is None else admission.admit
 
 
 class SlotTable:
@@ -96,8 +95,8 @@ class SlotTable:
             policies[i] = policy
         self.needs_future = policies[0].needs_future
         self._kernel = self._admission = None
-        if type(policies[0]).kernel is not None:  # built-in: the compiled step
-            if type(adm_policy).kernel is None:
+        if compiled(type(policies[0])):  # built-in: the compiled step
+            if not compiled(type(adm_policy)):
                 raise ValueError(f"admission policy {adm_policy.name!r} is a plug-in: it runs with "
                                  f"plug-in eviction policies only, and {policies[0].name!r} is a "
                                  "built-in (compiled); use a built-in admission rule")
@@ -106,7 +105,7 @@ class SlotTable:
                                   num_layers, num_experts, len(shares), shares[0][1])
             self._parts = [_Partition(start, cap) for start, cap in shares]
         else:
-            if type(adm_policy).kernel is not None:
+            if compiled(type(adm_policy)):
                 from .policies.kernels.table import Admission
                 self._admission = Admission(type(adm_policy), _params(adm_policy),
                                             num_layers * num_experts, len(shares))
@@ -146,6 +145,7 @@ class SlotTable:
             if self._kernel is not None:
                 self._kernel.pin(key, self._part_index(key // self.num_experts))
         return new
+
     # -- queries --------------------------------------------------------------
     def key(self, layer: int, expert: int) -> int:
         layer, expert = _whole("layer", layer), _whole("expert", expert)
@@ -406,14 +406,12 @@ def _check_positive(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive whole number, got {value!r}")
 
 
-
-
 def _eviction(value, params: dict | None, capacity: int, partitions: int) -> EvictionPolicy:
     """One partition's eviction policy from a name, a spec or an instance."""
     if isinstance(value, EvictionPolicy):
         if params:
             raise ValueError("eviction_params go with a policy name or spec, not an instance")
-        if type(value).kernel is None and partitions > 1:
+        if not compiled(type(value)) and partitions > 1:
             raise ValueError(f"a plug-in policy instance ({value.name!r}) holds one partition's "
                              "state: pass its name or PolicySpec for a per-layer table")
         return value

@@ -30,8 +30,8 @@ class EvictionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # True for oracles that must be given the future (see ``bind_future``).
     needs_future: ClassVar[bool] = False
-    # The simulator's exact numba kernel for this class (a module of expertcache.sim.kernels),
-    # or None. Subclasses that override a hook lose it (they replay through SlotTable).
+    # A built-in's compiled logic (a module of expertcache.policies.kernels),
+    # or None (a plug-in). A subclass that overrides a hook is refused (kernels.compiled).
     kernel: ClassVar[str | None] = None
 
     def __init__(self, capacity: int, **params: object) -> None:
@@ -85,7 +85,8 @@ class AdmissionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # False lets the table skip ``record`` calls on its hot path.
     records: ClassVar[bool] = True
-    # The code of this rule in the simulator's kernels (sim/kernels/skeleton.py), or None.
+    # A built-in rule's code in the compiled step (policies/kernels/skeleton.py); None for a
+    # plug-in, whose record / admit run as Python methods.
     kernel: ClassVar[int | None] = None
 
     def __init__(self, **params: object) -> None:

@@ -47,7 +47,7 @@ _MIN_OBS = 32       # a class with fewer reuses on record borrows the pooled sco
 @register
 class NextUse(EvictionPolicy):
     name = "next-use"
-    kernel = "next_use"  # sim/kernels/next_use.py
+    kernel = "next_use"  # policies/kernels/next_use.py
     kernel_mirrors = ("_use", "_believe", "_rebuild", "_scores")
     description = ("learned next-use: evict the key least likely to be reused within `horizon` "
                    "passes (tokens), from online reuse-gap statistics by decayed use count "

@@ -99,7 +99,7 @@ def _sweep_main(victim, mq, prev, nxt, head, tail, size, where, freq):
 
 
 @hook
-def on_evict(key, p, st):
+def on_evict(victim, p, st):
     prev, nxt, head, tail, size, where, freq, promote, capacity, target = st
     sq, mq, gq = 3 * p + SMALL, 3 * p + MAIN, 3 * p + GHOST
     if promote[0]:  # every key of S was hit: all of S to M (count 0), then M's sweep
