@@ -9,14 +9,15 @@ is a pure query that never returns a protected key.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from expertcache import SlotTable
 from expertcache.policies.belady import Future
-from expertcache.policies.kernels import compiled, kernel_module
+from expertcache.policies.kernels import compiled
+
+from compiled_hooks import Compiled  # tests/ is on sys.path
 from expertcache.policies.registry import admission_policies, eviction_policies, make_eviction
 
 EVICTION = sorted(eviction_policies())
@@ -145,43 +146,12 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "access", "evict", "ask"]),
                min_size=1, max_size=80)
 
 
-class _Compiled:
-    """A built-in's compiled hooks (policies/kernels) behind the policy calls, for one
-    partition of 12 keys: the code SlotTable's step runs. Protection is what the step
-    uses, a stamp equal to the asking step's number."""
-
-    def __init__(self, policy) -> None:
-        while getattr(policy, "inner", None) is not None:
-            policy = policy.inner  # a wrapper (static): its inner policy runs, as in SlotTable
-        self.m = kernel_module(type(policy))
-        self.st = self.m.state(policy, 12, 1, policy.capacity, 4)
-        self.stamp = np.full(12, -1, np.int32)
-        self.now = 0
-
-    def on_insert(self, key, now):
-        self.now = now
-        self.m.on_insert(key, 0, now, self.st)
-
-    def on_access(self, key, now):
-        self.now = now
-        self.m.on_hit(key, 0, now, self.st)
-
-    def on_remove(self, key):
-        self.m.on_evict(key, 0, self.st)
-
-    def victim(self, protected):
-        self.stamp[:] = -1
-        self.stamp[list(protected)] = self.now
-        v = self.m.find_victim(0, self.now, self.stamp, self.st)
-        return None if v < 0 else int(v)
-
-
 def _bare(policy):
     """The policy's hooks as the table runs them: compiled for a built-in, else its methods."""
     inner = policy
     while getattr(inner, "inner", None) is not None:
         inner = inner.inner
-    return _Compiled(policy) if compiled(type(inner)) else policy
+    return Compiled(policy) if compiled(type(inner)) else policy
 
 
 @pytest.mark.parametrize("eviction", EVICTION)

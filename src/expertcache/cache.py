@@ -183,6 +183,13 @@ class SlotTable:
     def partition_capacity(self) -> int:
         return self._parts[0].capacity
 
+    @property
+    def kernel(self):
+        """The compiled state of a built-in policy (``policies.kernels.table.Kernel``: its
+        module and arrays, read-only by contract), or None for a plug-in. For checks and
+        research code that read a policy's state without patching the table."""
+        return self._kernel
+
     def stats(self) -> Stats:
         if self._kernel is not None:
             return Stats(self._kernel.counts.tolist())
