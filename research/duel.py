@@ -8,7 +8,7 @@ al., HotStorage 2018) keeps a weight per rule: each eviction is made by the heav
 and remembered (ghost) with who made it; a later miss on a ghost whose eviction only that
 rule wanted shifts weight to the other, discounted by how long ago it was evicted.
 
-Research copy of sim/kernels/next_use.py's loop (same _use, same _victim); not shipped.
+Research copy of policies/kernels/next_use.py's loop (same _use, same _victim); not shipped.
 
     .venv/bin/python research/duel.py code general synth:mixtral-8x7b:2000 synth:olmoe:2000
 """

@@ -1,7 +1,7 @@
 """Round two: the next-use kernel's loop with victim variants (mode 0: the shipped victim;
 mode 1: scan, layer-phase tie-break; mode 2: odds discounted by the wait for the key's layer;
 modes 3, 4: the same on each class's oldest age group only). Learning (``_use``) and the
-shipped victim come from sim/kernels/next_use.py. Not shipped. Global pool, 768 and 1536 slots.
+shipped victim come from policies/kernels/next_use.py. Not shipped. Global pool, 768 and 1536 slots.
 
     .venv/bin/python research/kernel_variants.py code general
 """

@@ -1,4 +1,4 @@
-"""Round two: reuse odds rounded to 1/q before ranking, so near-equal odds (flat popularity,\nnoisy estimates) fall to the LRU tie-break. q=0: shipped. Research copy of sim/kernels/next_use.py.\n\n    .venv/bin/python research/quantised_odds.py synth:mixtral-8x7b code general\n"""
+"""Round two: reuse odds rounded to 1/q before ranking, so near-equal odds (flat popularity,\nnoisy estimates) fall to the LRU tie-break. q=0: shipped. Research copy of policies/kernels/next_use.py.\n\n    .venv/bin/python research/quantised_odds.py synth:mixtral-8x7b code general\n"""
 
 from __future__ import annotations
 

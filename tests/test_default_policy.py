@@ -158,7 +158,7 @@ def test_beats_lru_on_a_synthetic_trace():
 # Misses over Belady's on the full traces, measured (global 768, 1536, per-layer 768, 1536):
 # code 1.614 1.865 1.325 1.627 (avg 1.608; LRU 1.93), general 1.643 1.952 1.365 1.706
 # (avg 1.666; LRU 1.91). Ours has at most 0.92x LRU's misses in every configuration.
-# The replays run on the numba kernel (sim/kernels/next_use.py, tested equal to SlotTable
+# The replays run on the numba kernel (policies/kernels/next_use.py, tested equal to SlotTable
 # in test_sim_fast.py), ~1 s each.
 BOUND = {"code": 1.64, "general": 1.70}
 

@@ -2,7 +2,7 @@
 phase: accesses, hits, misses, loads, evictions, bypasses), on many random traces
 and on slices of the shared real traces; LRU's one-pass stack distances equal a
 SlotTable replay at every size. Every kernel mirrors a policy class in policies/ (one
-step loop, sim/kernels/skeleton.py, with each policy's hooks): a change there without
+step loop, policies/kernels/skeleton.py, with each policy's hooks): a change there without
 its kernel fails here."""
 
 from __future__ import annotations

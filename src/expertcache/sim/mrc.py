@@ -1,7 +1,7 @@
 """Sweeps: many policies at many sizes, as fast as exactness allows.
 
 Plain ``lru`` at several sizes gets every size from one stack-distance pass; every
-policy with a kernel (``sim.kernels``) runs it per size; every other policy
+policy with a kernel (``policies.kernels``) runs it per size; every other policy
 (including third-party entry-point policies) replays through ``SlotTable`` in
 worker processes, one job per (policy, size). Policy names are resolved and every
 size validated once, before any work.
