@@ -11,10 +11,6 @@ from collections.abc import Container, Iterable
 from typing import ClassVar
 
 
-def NOTHING(key: int) -> None:
-    """The hook that does nothing (see ``EvictionPolicy.key_only_hooks``)."""
-
-
 class EvictionPolicy:
     """Chooses which resident key leaves when a new one needs its slot.
 
@@ -58,16 +54,6 @@ class EvictionPolicy:
     def victim(self, protected: Container[int]) -> int | None:
         """The key to evict, never one in ``protected``; None if all are protected."""
         raise NotImplementedError
-
-    def key_only_hooks(self) -> tuple | None:
-        """Optional speed-up for policies whose hooks ignore ``now``.
-
-        Return ``(on_access, on_insert)`` as callables of the key alone (typically
-        C-level methods of a container) that do exactly what the methods do, with
-        ``NOTHING`` for a hook that does nothing; the table then calls those instead.
-        None (the default) means: call ``on_access`` and ``on_insert``.
-        """
-        return None
 
     def pinned_keys(self) -> Iterable[int]:
         """Keys the table must keep resident forever (the ``static`` policy's set)."""
