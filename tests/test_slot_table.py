@@ -257,3 +257,28 @@ def test_pin_bad_keys_are_clear_errors(keys, error, match):
     with pytest.raises(error, match=match):
         table.pin(keys)
     assert table.pinned == frozenset()
+
+
+def test_policies_as_names_specs_or_instances_plan_alike():
+    # Research code hands the table a spec or a built instance instead of patching it.
+    import random
+
+    from expertcache.policies.registry import admission_spec, eviction_spec, make_admission, make_eviction
+
+    by_name = SlotTable(2, 8, 6, eviction="slru", eviction_params={"protected": 0.5},
+                        admission="window", admission_params={"n": 2, "w": 4})
+    by_spec = SlotTable(2, 8, 6, eviction=eviction_spec("slru:protected=0.5"),
+                        admission=admission_spec("window:n=2:w=4"))
+    by_instance = SlotTable(2, 8, 6, eviction=make_eviction("slru", 6, protected=0.5),
+                            admission=make_admission("window", n=2, w=4))
+    rng = random.Random(2)
+    for _ in range(300):
+        layer, experts = rng.randrange(2), rng.sample(range(8), rng.randint(1, 3))
+        plans = [t.step(layer, experts) for t in (by_name, by_spec, by_instance)]
+        assert len({(tuple(p.hits.items()), tuple(p.loads.items()), tuple(p.evictions.items()),
+                     tuple(p.bypasses)) for p in plans}) == 1
+    assert by_name.stats().to_dict() == by_spec.stats().to_dict() == by_instance.stats().to_dict()
+    with pytest.raises(ValueError, match="eviction_params go with a policy name"):
+        SlotTable(2, 8, 6, eviction=make_eviction("lru", 6), eviction_params={"x": 1})
+    with pytest.raises(ValueError, match="one partition's state"):
+        SlotTable(2, 8, 6, eviction=make_eviction("lfru", 3), partition="per-layer")
