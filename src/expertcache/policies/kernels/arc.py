@@ -18,8 +18,6 @@ def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
     return (*new_lists(nkeys, 4 * parts), np.zeros(parts, np.float64), np.int64(cap))
 
 
-
-
 @hook
 def _trim(p, prev, nxt, head, tail, size, where, capacity):
     t1, t2, b1, b2 = 4 * p + T1, 4 * p + T2, 4 * p + B1, 4 * p + B2

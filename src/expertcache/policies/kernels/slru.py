@@ -17,8 +17,6 @@ def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
     return (*new_lists(nkeys, 2 * parts), np.int64(policy.protected_cap))
 
 
-
-
 @hook
 def on_hit(key, p, s, st):
     prev, nxt, head, tail, size, where, protected_cap = st
