@@ -138,6 +138,10 @@ def _threadpool(n_threads: int) -> int | None:
         return None
     base, cpu = _LIBS
     params = base.ggml_threadpool_params_default(n_threads)
+    # workers sleep as soon as a graph is done instead of spinning (ggml's default poll 50):
+    # between graphs torch runs, and on 2 cores a spinning worker starves it (resident decode,
+    # 2 threads, the lm_head on a pool of 2: 44-414 ms per token with poll 0, 562-624 with 50)
+    params.poll = 0
     return cpu.ggml_threadpool_new(ctypes.byref(params))
 
 
