@@ -92,3 +92,20 @@ def test_a_dense_type_without_a_kernel_falls_back_by_name(tmp_path, monkeypatch)
     assert "no ggml CPU kernel for Q4_0" in pool["dense_kernel_reason"], pool["dense_kernel_reason"]
     assert not any(isinstance(m, (GgmlLinear, GgmlEmbedding)) for m in model.modules())
     assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.float32
+
+
+def test_tied_embeddings_compute_the_lm_head_on_the_embedding_bytes(tmp_path, monkeypatch):
+    import gguf
+
+    add = gguf.GGUFWriter.add_tensor
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor",  # a file without output.weight: tied
+                        lambda self, name, *a, **k: None if name == "output.weight" else add(self, name, *a, **k))
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0", dense_type="Q8_0")
+    ids, logits = torch.tensor([[5, 9, 200, 31]]), {}
+    for kernel in ("torch", "ggml"):
+        model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel=kernel)
+        with torch.no_grad():
+            logits[kernel] = model(ids).logits[0]
+    assert model.config.tie_word_embeddings and isinstance(model.lm_head, GgmlLinear)
+    assert model.lm_head.data is model.model.embed_tokens.data
+    assert _rel(logits["ggml"], logits["torch"]) < LOGIT_TOL
