@@ -173,8 +173,8 @@ def main() -> None:
             rows["expertcache serve 50%"] = run_serve(str(path), args.tokens)
     doc = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                       "note": "shared 2-core VM, loaded by other agents' jobs while this ran: "
-                               "ratios of rows measured minutes apart carry that noise"},
+                       "note": "shared 2-core VM, loaded by other agents' jobs at times: each ratio "
+                               "to vLLM is paired round by round, the tok/s medians are not"},
            "settings": {"tokens": args.tokens, "repeats": args.repeats, "prompt_tokens": 16, "levels": LEVELS,
                         "model": "Qwen3-MoE hidden 256, 4 MoE layers, 32 experts, top-4, float32 (random)",
                         "vllm_mode": "in-process engines, eager; each plug-in engine paired round by round with one plain engine"},
