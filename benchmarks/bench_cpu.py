@@ -74,6 +74,7 @@ def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
         decode_s = time.perf_counter() - start
     pool = m.expertcache.stats().pool
     return {"tok_s": tokens / decode_s, "load_s": load_s, "cpu_kernel": pool["cpu_kernel"],
+            "dense_kernel": pool["dense_kernel"],
             "slot_format": pool["slot_format"], "slots": m.expertcache.pool.slots,
             "host_resident": pool["host_resident"]}
 

@@ -11,10 +11,13 @@ top-4, float32) with a word-level tokenizer, saved to a temporary folder. Rows:
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, eager: compiling each
 configuration costs a minute or more on a loaded 2-core machine) with 1 and 4 concurrent
 requests (one ``generate`` call with 1 or 4 prompts, 16 prompt tokens, ``--tokens`` new
-tokens each, end token ignored); tok/s = generated tokens / wall time, median of
-``--repeats`` after one warm-up. Hit rates are the plug-in's counters over the timed runs.
+tokens each, end token ignored); tok/s = generated tokens / wall time. The machine is shared
+and its load swings tok/s several-fold within minutes, so plain vLLM stays alive in the same
+process and each plug-in engine runs beside it round by round (order alternating): the ratio
+to vLLM is the median of the per-round ratios. Hit rates are the plug-in's counters over the
+timed runs.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py [--tokens 64] [--repeats 3]
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--tokens 64] [--repeats 6]
 
 Writes benchmarks/results/vllm_cpu.json.
 """
@@ -38,7 +41,7 @@ os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm_cpu.json"
 LAYERS, EXPERTS = 4, 32
-FRACTIONS = (None, 1.0, 0.5, 0.25)   # None: vLLM without the plug-in
+FRACTIONS = (1.0, 0.5, 0.25)
 LEVELS = (1, 4)
 
 
@@ -51,69 +54,59 @@ PIECEWISE = {"cudagraph_mode": "PIECEWISE",  # CUDA graphs with the MoE op outsi
                                "vllm::moe_forward", "vllm::moe_forward_shared"]}
 
 
-def run_vllm(path: str, fraction: float | None, tokens: int, repeats: int, device: str,
-             piecewise: bool = False) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.distributed import cleanup_dist_env_and_memory
-    from vllm.inputs import TokensPrompt
-
-    from expertcache.vllm import session as sessions
+def engine(path: str, fraction: float | None, device: str, piecewise: bool = False):
+    """One in-process vLLM engine; ``fraction`` of the experts in slots, None: no plug-in."""
+    from vllm import LLM
 
     extra = {} if fraction is None else {"expertcache": {"slots": round(fraction * LAYERS * EXPERTS)}}
     kwargs = dict(gpu_memory_utilization=0.3) if device == "cuda" else \
         dict(gpu_memory_utilization=0.2, kv_cache_memory_bytes=1 << 28, distributed_executor_backend="uni")
-    t0 = time.perf_counter()
     if piecewise:
         kwargs["compilation_config"] = PIECEWISE
-    llm = LLM(model=path, dtype="float32", enforce_eager=not piecewise, max_model_len=512, max_num_seqs=4,
-              seed=0, additional_config=extra, **kwargs)
-    start_s = time.perf_counter() - t0
+    return LLM(model=path, dtype="float32", enforce_eager=not piecewise, max_model_len=512, max_num_seqs=4,
+               seed=0, additional_config=extra, **kwargs)
+
+
+def timed(llm, batch: list, params) -> tuple[float, list]:
+    """Generated tokens per second of one ``generate`` call, and the tokens."""
+    t = time.perf_counter()
+    res = llm.generate(batch, params, use_tqdm=False)
+    rate = sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t)
+    return rate, [list(r.outputs[0].token_ids) for r in res]
+
+
+def paired(ref, llm, tokens: int, repeats: int) -> dict:
+    """``llm`` (the plug-in's engine) against ``ref`` (plain vLLM, alive in the same process):
+    per level, ``repeats`` rounds of one call each, the order alternating; ``over_vllm`` is the
+    median of the per-round ratios, so load that drifts between rounds cancels."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from expertcache.vllm import session as sessions
+
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False)
-    out = {"start_s": start_s, "levels": {}}
-    try:
-        for n in LEVELS:
-            batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(n)]
-            llm.generate(batch, params, use_tqdm=False)  # warm-up
-            session = sessions._current if fraction is not None else None
-            before = session.stats() if session else None
-            host0, steps0 = (session.host_s, session.steps) if session else (0.0, 0)
-            rates, seqs = [], None
-            for _ in range(repeats):
-                t = time.perf_counter()
-                res = llm.generate(batch, params, use_tqdm=False)
-                rates.append(sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t))
-                seqs = [list(r.outputs[0].token_ids) for r in res]
-            row = {"tok_s_median": statistics.median(rates), "tok_s_runs": rates, "tokens": seqs}
-            if session:
-                st = session.stats().since(before)
-                row.update(hit_rate=st.total().hit_rate, hit_rate_decode=st.total("decode").hit_rate,
-                           h2d_bytes=st.h2d_bytes(), slots=session.pool.slots,
-                           host_us_per_layer_step=1e6 * (session.host_s - host0)
-                           / max((session.steps - steps0) * LAYERS, 1))
-            out["levels"][n] = row
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+    out = {}
+    for n in LEVELS:
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(n)]
+        _, want = timed(ref, batch, params)  # warm-up, and vLLM's own tokens
+        equal = timed(llm, batch, params)[1] == want
+        session = sessions._current
+        before, host0, steps0 = session.stats(), session.host_s, session.steps
+        ours, theirs = [], []
+        for i in range(repeats):
+            for which in ((llm, ref) if i % 2 else (ref, llm)):
+                rate, seqs = timed(which, batch, params)
+                (ours if which is llm else theirs).append(rate)
+                equal &= seqs == want
+        st = session.stats().since(before)
+        out[n] = {"tok_s_median": statistics.median(ours), "tok_s_runs": ours, "vllm_tok_s_runs": theirs,
+                  "over_vllm": statistics.median(a / b for a, b in zip(ours, theirs)),
+                  "tokens_equal_vllm": equal,
+                  "hit_rate": st.total().hit_rate, "hit_rate_decode": st.total("decode").hit_rate,
+                  "h2d_bytes": st.h2d_bytes(), "slots": session.pool.slots,
+                  "host_us_per_layer_step": 1e6 * (session.host_s - host0)
+                  / max((session.steps - steps0) * LAYERS, 1)}
     return out
-
-
-def merge(rows: dict, name: str, result: dict) -> None:
-    """Add one pass of a configuration: runs pooled, the median over all of them."""
-    if name not in rows:
-        rows[name] = result
-        return
-    row = rows[name]
-    row["start_s"] = [*(row["start_s"] if isinstance(row["start_s"], list) else [row["start_s"]]),
-                      result["start_s"]]
-    for n, r in result["levels"].items():
-        old = row["levels"][n]
-        old["tok_s_runs"] += r["tok_s_runs"]
-        old["tok_s_median"] = statistics.median(old["tok_s_runs"])
-        old["tokens_same_each_pass"] = old.get("tokens_same_each_pass", True) and old["tokens"] == r["tokens"]
-        for key in ("hit_rate", "hit_rate_decode", "h2d_bytes", "host_us_per_layer_step"):
-            if key in r:
-                old.setdefault(key + "_passes", [old[key]]).append(r[key])
 
 
 def run_generate(path: str, tokens: int, out_dir: str) -> dict:
@@ -144,8 +137,7 @@ def run_serve(path: str, tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--passes", type=int, default=2, choices=(1, 2), help="1: each configuration once")
+    ap.add_argument("--repeats", type=int, default=6, help="rounds per configuration and level")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: the vLLM rows only, on a CUDA build of vLLM (benchmarks/gpu_check.sh)")
     ap.add_argument("--json", default=str(RESULTS))
@@ -154,40 +146,48 @@ def main() -> None:
     from bench_serve import save_model
 
     torch.set_num_threads(os.cpu_count() or 1)
+    from vllm.distributed import cleanup_dist_env_and_memory
+
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tiny-qwen3-moe"
         save_model(path)
+        # plain vLLM stays alive; each plug-in configuration runs beside it, round by round
+        # (one plug-in session per process at a time, so configurations follow each other)
+        ref = engine(str(path), None, args.device)
         rows = {}
-        # ABBA: the configurations run forward, then backward, so that a machine whose load
-        # drifts (it is shared) weighs on every row alike; medians over both passes
-        for order in (FRACTIONS, FRACTIONS[::-1])[:args.passes]:
-            for fraction in order:
-                name = "vllm" if fraction is None else f"vllm+expertcache {fraction:.0%}"
-                merge(rows, name, run_vllm(str(path), fraction, args.tokens, args.repeats, args.device))
-                print(name, {n: round(r["tok_s_median"], 1) for n, r in rows[name]["levels"].items()},
-                      flush=True)
+        configs = [(f"vllm+expertcache {f:.0%}", f, False) for f in FRACTIONS]
         if args.device == "cuda":  # the graph mode that keeps the plan per step
-            rows["vllm+expertcache 50% piecewise"] = run_vllm(str(path), 0.5, args.tokens, args.repeats,
-                                                              "cuda", piecewise=True)
-        ref = {n: dict(r) for n, r in rows["vllm"]["levels"].items()}
-        for name, row in rows.items():
-            for n, r in row["levels"].items():
-                r["over_vllm"] = r["tok_s_median"] / ref[n]["tok_s_median"]
-                r["tokens_equal_vllm"] = r.pop("tokens") == ref[n]["tokens"]
+            configs.append(("vllm+expertcache 50% piecewise", 0.5, True))
+        for name, fraction, piecewise in configs:
+            llm = engine(str(path), fraction, args.device, piecewise)
+            rows[name] = {"levels": paired(ref, llm, args.tokens, args.repeats)}
+            del llm
+            gc.collect()
+            print(name, {n: f"{r['over_vllm']:.2f}x" for n, r in rows[name]["levels"].items()}, flush=True)
+        rows = {"vllm": {"levels": {n: vllm_row(rows, n) for n in LEVELS}}, **rows}
+        del ref
+        gc.collect()
+        cleanup_dist_env_and_memory()
         if args.device == "cpu":
             rows["expertcache generate 50%"] = run_generate(str(path), args.tokens, tmp)
             rows["expertcache serve 50%"] = run_serve(str(path), args.tokens)
     doc = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                       "note": "shared 2-core VM, loaded by other agents' jobs while this ran: "
-                               "ratios of rows measured minutes apart carry that noise"},
-           "settings": {"tokens": args.tokens, "repeats": args.repeats, "passes": args.passes, "prompt_tokens": 16, "levels": LEVELS,
+                       "note": "shared 2-core VM, loaded by other agents' jobs at times: each ratio "
+                               "to vLLM is paired round by round, the tok/s medians are not"},
+           "settings": {"tokens": args.tokens, "repeats": args.repeats, "prompt_tokens": 16, "levels": LEVELS,
                         "model": "Qwen3-MoE hidden 256, 4 MoE layers, 32 experts, top-4, float32 (random)",
-                        "vllm_mode": "in-process engine, eager"},
+                        "vllm_mode": "in-process engines, eager; each plug-in engine paired round by round with one plain engine"},
            "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=1))
     print_table(rows)
+
+
+def vllm_row(rows: dict, n: int) -> dict:
+    """Plain vLLM's runs at level ``n``, pooled over all pairings."""
+    runs = [r for row in rows.values() for r in row["levels"][n]["vllm_tok_s_runs"]]
+    return {"tok_s_median": statistics.median(runs), "tok_s_runs": runs, "over_vllm": 1.0}
 
 
 def print_table(rows: dict) -> None:

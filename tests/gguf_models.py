@@ -76,9 +76,12 @@ def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = 
 
 def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "Q8_0", seed: int = 0,
                layers: int = LAYERS, down_type: str | None = None, tokenizer: bool = True,
-               experts: int = EXPERTS, split_max_tensors: int = 0) -> Path:
+               experts: int = EXPERTS, split_max_tensors: int = 0, dense_type: str = "F32") -> Path:
     """Write a tiny ``family`` model as GGUF with experts in ``expert_type`` (down in ``down_type``,
     or per layer when it is a list: llama.cpp's Q4_K_M mixes Q6_K and Q4_K down projections).
+
+    ``dense_type``: the type of the 2-D non-expert weights (embedding, lm_head, attention,
+    shared experts) as llama.cpp's quantizer leaves them; routers and norms stay F32.
 
     ``split_max_tensors`` > 0 writes a split model (``path`` gets ``-0000N-of-0000M``) and
     returns its first part.
@@ -90,6 +93,7 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _metadata(writer, cfg, arch, tokenizer)
     rng = np.random.default_rng(seed)
+    dense_rng = np.random.default_rng(seed + 1)  # the experts' blocks stay as without dense_type
     names = gguf.get_tensor_name_map(_arch_enum(arch), cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         if ".experts." in hf_name:
@@ -104,6 +108,9 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
             raise KeyError(f"no GGUF name for {hf_name}")
         if "shared_expert_gate" in base:
             data = data.reshape(-1)  # llama.cpp stores it as a vector
+        if data.ndim == 2 and dense_type != "F32" and not gguf_name.endswith("ffn_gate_inp"):
+            _add_dense_tensor(writer, f"{gguf_name}.{suffix}", data, dense_type, dense_rng)
+            continue
         writer.add_tensor(f"{gguf_name}.{suffix}", data)
     for layer in range(cfg.num_hidden_layers):
         parts, biases = expert_parts(model.model.layers[layer].mlp.experts)
@@ -178,6 +185,16 @@ def _metadata(writer, cfg, arch: str, tokenizer: bool) -> None:
         writer.add_bos_token_id(len(tokens) - 2)
         writer.add_eos_token_id(len(tokens) - 2)
         writer.add_add_bos_token(False)
+
+
+def _add_dense_tensor(writer, name: str, data: np.ndarray, qtype: str, rng) -> None:
+    """A 2-D [rows, cols] weight in ``qtype``, as ``_add_expert_tensor`` writes experts."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype in _QUANTIZABLE:
+        writer.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), kind), raw_dtype=kind)
+    else:
+        rows, cols = data.shape
+        writer.add_tensor(name, random_blocks(qtype, rows, cols, rng).reshape(rows, -1), raw_dtype=kind)
 
 
 def _add_expert_tensor(writer, name: str, data: np.ndarray, qtype: str, rng) -> None:

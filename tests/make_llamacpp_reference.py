@@ -1,7 +1,7 @@
 """Write tests/data/llamacpp_logits.npz: llama.cpp's own logits for the tiny GGUFs the tests build.
 
 For each expert type (Q4_K, Q6_K, Q8_0, Q4_0, MXFP4) the test fixture ``write_gguf(path,
-'qwen3_moe', TYPE)`` is built (deterministic: seeded weights and blocks), its sha256 stored
+'qwen3_moe', TYPE)`` is built, and the ``DENSE`` fixtures whose dense weights are quantized too, (deterministic: seeded weights and blocks), its sha256 stored
 beside the logits, so that a changed fixture fails the test with a clear message instead of
 comparing against another file's logits. llama.cpp runs through llama-cpp-python 0.3.36
 (``Llama(..., logits_all=True)``, one thread, F32 KV cache, no flash attention: nothing but
@@ -28,11 +28,17 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "data" / "llamacpp_logits.npz"
 TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4")
+# fixtures whose dense weights are quantized too (write_gguf's dense_type): (family, experts, dense)
+DENSE = (("qwen3_moe", "Q4_K", "Q8_0"), ("qwen2_moe", "Q8_0", "Q4_0"))
 TOKENS = [5, 9, 200, 31, 77, 140, 3, 250, 66, 101, 12, 180, 44, 230, 90, 17]  # ids below the tiny vocab
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def dense_key(family: str, experts: str, dense: str) -> str:
+    return f"dense_{family}_{experts}_{dense}"
 
 
 def llamacpp_logits(path: Path, tokens: list[int]) -> np.ndarray:
@@ -56,6 +62,12 @@ def main() -> int:
             out[f"{name}_sha256"] = np.array(sha256(path))
             out[f"{name}_logits"] = llamacpp_logits(path, TOKENS)
             print(name, out[f"{name}_sha256"], out[f"{name}_logits"].shape)
+        for family, experts, dense in DENSE:
+            key = dense_key(family, experts, dense)
+            path = write_gguf(Path(tmp) / f"{key}.gguf", family, experts, dense_type=dense)
+            out[f"{key}_sha256"] = np.array(sha256(path))
+            out[f"{key}_logits"] = llamacpp_logits(path, TOKENS)
+            print(key, out[f"{key}_sha256"], out[f"{key}_logits"].shape)
     OUT.parent.mkdir(exist_ok=True)
     np.savez_compressed(OUT, **out)
     print(OUT)

@@ -24,12 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import MISS_PATHS
+from ..config import MISS_PATHS, SLOT_KINDS
 
 GB = 1e9
-# what CacheConfig's 'auto' resolves to (pool.resolve_slot_format); 'plain': float experts
-SLOT_FORMATS = ("quantized", "dequantized", "plain")
-
 
 @dataclass(frozen=True)
 class Hardware:
@@ -91,8 +88,8 @@ def miss_times(model: ExpertCost, hw: Hardware, slot_format: str = "dequantized"
 
     ``ggml``: quantized experts on the CPU run ggml's kernels on the stored bytes (no host
     dequantization: docs/cpu.md), else torch dequantizes them first."""
-    if slot_format not in SLOT_FORMATS:
-        raise ValueError(f"unknown slot format {slot_format!r}; use one of {', '.join(SLOT_FORMATS)}")
+    if slot_format not in SLOT_KINDS:  # what 'auto' resolves to (pool.resolve_slot_format)
+        raise ValueError(f"unknown slot format {slot_format!r}; use one of {', '.join(SLOT_KINDS)}")
     gpu = hw.gpu_mem_gbps * GB
     dequant = 0.0
     if model.quantized:

@@ -1,4 +1,5 @@
-"""Load a GGUF MoE model for the cache: the dense part dequantized, the experts left in their blocks.
+"""Load a GGUF MoE model for the cache: the dense part dequantized (or, on the CPU with ggml,
+left in its blocks too: ``gguf_dense.py``), the experts left in their blocks.
 
 transformers' own GGUF loading dequantizes every tensor into host memory (a
 Qwen3-30B-A3B Q4_K_M file becomes 60 GiB of bf16). Here transformers supplies what it
@@ -23,7 +24,9 @@ from ..quant.dequant import dequantize
 from ..runtime.device import compute_dtype
 from ..runtime.host import file_bytes, host_mode
 from ..runtime.quantized import Codec, Kind, Part, QuantExperts
+from ..runtime.cpudense import REPORT_ATTR
 from .common import drop_expert_params, empty_model, find_experts
+from .gguf_dense import dense_choice, place_stored, tie_stored
 
 # GGUF archs whose gate/up rows alternate in the model (GPT-OSS's _apply_gate reads them so)
 _INTERLEAVED = {"gpt-oss"}
@@ -37,7 +40,9 @@ def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
     dtype = compute_dtype(config.dtype, device)
     hf_config = _hf_config(header)
     model = empty_model(hf_config, dtype)
-    _load_dense(model, header, hf_config, dtype)
+    dense = dense_choice(config.cpu_kernel, device)
+    _load_dense(model, header, hf_config, dtype, dense)
+    setattr(model, REPORT_ATTR, dense)
     found = find_experts(model)
     if len(found) != len(header.moe_blocks):
         raise ValueError(f"{header.paths[0].name}: the model has {len(found)} MoE layers but the file "
@@ -116,8 +121,9 @@ def _gpt_oss_values(header: GgufModel) -> dict:
     return values
 
 
-def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype) -> None:
-    """Dequantize every non-expert tensor and assign it under its transformers name."""
+def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype, dense) -> None:
+    """Dequantize every non-expert tensor and assign it under its transformers name, except
+    those ``gguf_dense.place_stored`` leaves in the file for ggml (``dense``: its report)."""
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
 
@@ -125,9 +131,10 @@ def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype) -> None
     names = get_gguf_hf_weights_map(model, processor)
     for block in range(hf_config.num_hidden_layers):  # GPT-OSS's sinks: not in gguf-py's name map
         names.setdefault(f"blk.{block}.attn_sinks.weight", f"model.layers.{block}.self_attn.sinks")
+    stored = place_stored(model, header, names, processor, dtype, dense)
     state = {}
     for name, ref in header.tensors.items():
-        if _EXPERT.match(name):
+        if _EXPERT.match(name) or name in stored:
             continue
         weights = _dequantized(ref).numpy()
         result = processor.process(weights=weights, name=name, tensor_key_mapping=names,
@@ -138,7 +145,8 @@ def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype) -> None
                      if ".experts" in n or n.endswith("experts")}
     missing = set(model.load_state_dict(state, strict=False, assign=True).missing_keys) - expert_params
     if getattr(hf_config, "tie_word_embeddings", False):
-        model.tie_weights()
+        if not tie_stored(model, dense):
+            model.tie_weights()
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"{header.paths[0].name}: tensors missing for {len(missing)} model weights "

@@ -73,7 +73,9 @@ def _declare(base: ctypes.CDLL, cpu: ctypes.CDLL) -> None:
     sigs = [(base, "ggml_init", P, [_InitParams]), (base, "ggml_free", None, [P]),
             (base, "ggml_new_tensor_3d", T, [P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]),
             (base, "ggml_new_tensor_2d", T, [P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
-            (base, "ggml_mul_mat_id", T, [P, T, T, T]),
+            (base, "ggml_new_tensor_1d", T, [P, ctypes.c_int, ctypes.c_int64]),
+            (base, "ggml_mul_mat_id", T, [P, T, T, T]), (base, "ggml_mul_mat", T, [P, T, T]),
+            (base, "ggml_get_rows", T, [P, T, T]),
             (base, "ggml_new_graph", P, [P]), (base, "ggml_build_forward_expand", None, [P, T]),
             (base, "ggml_tensor_overhead", ctypes.c_size_t, []),
             (base, "ggml_graph_overhead", ctypes.c_size_t, []),
@@ -136,6 +138,10 @@ def _threadpool(n_threads: int) -> int | None:
         return None
     base, cpu = _LIBS
     params = base.ggml_threadpool_params_default(n_threads)
+    # workers sleep as soon as a graph is done instead of spinning (ggml's default poll 50):
+    # between graphs torch runs, and on 2 cores a spinning worker starves it (resident decode,
+    # 2 threads, the lm_head on a pool of 2: 44-414 ms per token with poll 0, 562-624 with 50)
+    params.poll = 0
     return cpu.ggml_threadpool_new(ctypes.byref(params))
 
 
@@ -148,50 +154,32 @@ class Weight:
         self.ggml_type, self.rows, self.cols, self.n, self.stride = ggml_type, rows, cols, n, stride
 
 
-class MatmulId:
-    """``out_j[p] = W_j[ids[p]] @ x[p]`` for pairs p < N and weights j sharing one input.
+class _Graph:
+    """One ggml graph, built once in a no-alloc context (ggml holds only the tensors'
+    headers) and run many times with new data pointers."""
 
-    One graph, built once (a no-alloc context: ggml holds only the tensors' headers) and
-    run many times with new pointers: x float32 ``[N, cols]``, ids int32 ``[N]``, each
-    ``out_j`` float32 ``[N, rows_j]``, each weight's bytes ``[n, stride]``.
-    """
-
-    def __init__(self, weights: list[Weight], pairs: int, n_threads: int) -> None:
+    def __init__(self, tensors: int) -> None:
         lib, why = _load()
         if lib is None:
             raise RuntimeError(f"ggml kernels unavailable: {why}")
-        base, cpu = _LIBS
-        cols = weights[0].cols
-        for w in weights:
-            _check(base, w, cols)
-        size = (2 + 2 * len(weights)) * base.ggml_tensor_overhead() + base.ggml_graph_overhead() + 1024
+        base = _LIBS[0]
+        size = tensors * base.ggml_tensor_overhead() + base.ggml_graph_overhead() + 1024
         self._ctx = base.ggml_init(_InitParams(size, None, True))
-        self.x = base.ggml_new_tensor_3d(self._ctx, GGML_TYPE_F32, cols, 1, pairs)    # ne: [cols, 1, N]
-        self.ids = base.ggml_new_tensor_2d(self._ctx, GGML_TYPE_I32, 1, pairs)        # ne: [1, N]
-        self.w, self.out = [], []
-        graph = base.ggml_new_graph(self._ctx)
-        for w in weights:
-            t = base.ggml_new_tensor_3d(self._ctx, w.ggml_type, w.cols, w.rows, w.n)  # ne: [cols, rows, n]
-            t.contents.nb[2] = w.stride  # a slot may be larger than this layer's expert
-            out = base.ggml_mul_mat_id(self._ctx, t, self.x, self.ids)              # ne: [rows, 1, N]
-            base.ggml_build_forward_expand(graph, out)
-            self.w.append(t)
-            self.out.append(out)
-        self._graph = graph
+        self._graph = base.ggml_new_graph(self._ctx)
+
+    def _plan(self, outs: list, n_threads: int) -> None:
+        """Add ``outs`` to the graph and size its work buffer for ``n_threads``."""
+        base, cpu = _LIBS
+        for out in outs:
+            base.ggml_build_forward_expand(self._graph, out)
         self._pool = _threadpool(n_threads)
-        self._plan = cpu.ggml_graph_plan(graph, n_threads, self._pool)
-        self._work = ctypes.create_string_buffer(max(self._plan.work_size, 1))
-        self._plan.work_data = ctypes.addressof(self._work)
+        self._cplan = cpu.ggml_graph_plan(self._graph, n_threads, self._pool)
+        self._work = ctypes.create_string_buffer(max(self._cplan.work_size, 1))
+        self._cplan.work_data = ctypes.addressof(self._work)
         self._compute = cpu.ggml_graph_compute
 
-    def __call__(self, weights: list[int], x: int, ids: int, outs: list[int]) -> None:
-        """Run with these pointers (caller-owned, alive for the call, shaped as the graph says)."""
-        for t, ptr in zip(self.w, weights):
-            t.contents.data = ptr
-        for t, ptr in zip(self.out, outs):
-            t.contents.data = ptr
-        self.x.contents.data, self.ids.contents.data = x, ids
-        status = self._compute(self._graph, ctypes.byref(self._plan))
+    def _run(self) -> None:
+        status = self._compute(self._graph, ctypes.byref(self._cplan))
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {status}")
 
@@ -201,13 +189,90 @@ class MatmulId:
             self._ctx = None
 
 
+class MatmulId(_Graph):
+    """``out_j[p] = W_j[ids[p]] @ x[p]`` for pairs p < N and weights j sharing one input.
+
+    Run with new pointers each time: x float32 ``[N, cols]``, ids int32 ``[N]``, each
+    ``out_j`` float32 ``[N, rows_j]``, each weight's bytes ``[n, stride]``.
+    """
+
+    def __init__(self, weights: list[Weight], pairs: int, n_threads: int) -> None:
+        super().__init__(2 + 2 * len(weights))
+        base = _LIBS[0]
+        cols = weights[0].cols
+        for w in weights:
+            _check(base, w, cols)
+        self.x = base.ggml_new_tensor_3d(self._ctx, GGML_TYPE_F32, cols, 1, pairs)    # ne: [cols, 1, N]
+        self.ids = base.ggml_new_tensor_2d(self._ctx, GGML_TYPE_I32, 1, pairs)        # ne: [1, N]
+        self.w, self.out = [], []
+        for w in weights:
+            t = base.ggml_new_tensor_3d(self._ctx, w.ggml_type, w.cols, w.rows, w.n)  # ne: [cols, rows, n]
+            t.contents.nb[2] = w.stride  # a slot may be larger than this layer's expert
+            self.w.append(t)
+            self.out.append(base.ggml_mul_mat_id(self._ctx, t, self.x, self.ids))   # ne: [rows, 1, N]
+        self._plan(self.out, n_threads)
+
+    def __call__(self, weights: list[int], x: int, ids: int, outs: list[int]) -> None:
+        """Run with these pointers (caller-owned, alive for the call, shaped as the graph says)."""
+        for t, ptr in zip(self.w, weights):
+            t.contents.data = ptr
+        for t, ptr in zip(self.out, outs):
+            t.contents.data = ptr
+        self.x.contents.data, self.ids.contents.data = x, ids
+        self._run()
+
+
+class Matmul(_Graph):
+    """``out = x @ W.T`` for one weight ``W`` ``[rows, cols]`` (``n`` = 1) and N inputs:
+    x float32 ``[N, cols]``, out float32 ``[N, rows]`` (a model's Linear on its stored bytes)."""
+
+    def __init__(self, weight: Weight, tokens: int, n_threads: int) -> None:
+        super().__init__(3)
+        base = _LIBS[0]
+        _check(base, weight, weight.cols)
+        self.w = base.ggml_new_tensor_2d(self._ctx, weight.ggml_type, weight.cols, weight.rows)  # ne: [cols, rows]
+        self.x = base.ggml_new_tensor_2d(self._ctx, GGML_TYPE_F32, weight.cols, tokens)        # ne: [cols, N]
+        self.out = base.ggml_mul_mat(self._ctx, self.w, self.x)                                # ne: [rows, N]
+        self._plan([self.out], n_threads)
+
+    def __call__(self, weight: int, x: int, out: int) -> None:
+        self.w.contents.data, self.x.contents.data, self.out.contents.data = weight, x, out
+        self._run()
+
+
+class GetRows(_Graph):
+    """``out[i] = W[ids[i]]`` as float32 for a weight ``[rows, cols]`` of any type with a
+    ggml dequantizer (an embedding looked up on its stored bytes): ids int32 ``[N]``,
+    out float32 ``[N, cols]``."""
+
+    def __init__(self, weight: Weight, tokens: int) -> None:
+        super().__init__(3)
+        base = _LIBS[0]
+        _check_rows(base, weight)
+        self.w = base.ggml_new_tensor_2d(self._ctx, weight.ggml_type, weight.cols, weight.rows)  # ne: [cols, rows]
+        self.ids = base.ggml_new_tensor_1d(self._ctx, GGML_TYPE_I32, tokens)                   # ne: [N]
+        self.out = base.ggml_get_rows(self._ctx, self.w, self.ids)                             # ne: [cols, N]
+        self._plan([self.out], 1)  # a copy of N rows: one thread
+
+    def __call__(self, weight: int, ids: int, out: int) -> None:
+        self.w.contents.data, self.ids.contents.data, self.out.contents.data = weight, ids, out
+        self._run()
+
+
 def _check(base: ctypes.CDLL, w: Weight, cols: int) -> None:
     """The shape checks ggml would abort the process on, as a ValueError."""
-    block = base.ggml_blck_size(w.ggml_type)
     if w.cols != cols:
         raise ValueError(f"weights sharing one input need equal columns, got {w.cols} and {cols}")
     if not has_kernel(w.ggml_type):
         raise ValueError(f"ggml has no CPU kernel for ggml type {w.ggml_type}")
+    _check_rows(base, w)
+
+
+def _check_rows(base: ctypes.CDLL, w: Weight) -> None:
+    """Whole blocks per row, and the stride holds the matrix."""
+    block = base.ggml_blck_size(w.ggml_type)
+    if block <= 0:
+        raise ValueError(f"ggml has no block layout for ggml type {w.ggml_type}")
     if w.cols % block:
         raise ValueError(f"ggml type {w.ggml_type} needs rows of a multiple of {block} values, got {w.cols}")
     need = w.rows * w.cols // block * base.ggml_type_size(w.ggml_type)

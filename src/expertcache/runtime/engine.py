@@ -14,6 +14,7 @@ from ..imatrix.apply import place
 from ..quant.ggml import choose
 from ..sizes import format_size
 from ..stats import DECODE, PREFILL
+from .cpudense import report_of
 from .cpukernel import GgmlExperts
 from .device import free_memory
 from .host import HostExperts
@@ -152,9 +153,12 @@ class ExpertCache:
 
     def stats(self) -> LiveStats:
         mode, reason = self.host_mode
+        dense = report_of(self.model)
         return LiveStats(self.table.stats(), self.h2d, {
             "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
             "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
+            # the non-expert weights (a GGUF's lm_head, attention, embedding): runtime/cpudense.py
+            "dense_kernel": dense.kernel, "dense_kernel_reason": dense.summary(),
             "bytes_per_slot": self.sizing.slot_bytes,
             "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason})
 
@@ -183,6 +187,7 @@ class ExpertCache:
                 "slot_bytes": self.slot_bytes, "expert_bytes": self.expert_bytes,
                 "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
                 "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
+                "dense_kernel": report_of(self.model).kernel,
                 "scratch_bytes": self.pool.scratch_bytes,
                 "bytes_per_slot": self.sizing.slot_bytes,
                 "quant": None if self.codec is None else sorted({p.fmt.name for h in self.hosts

@@ -45,6 +45,10 @@ class Server:
         print(f"expertcache serve: {self.settings.model_name} at {self.url}/v1", file=sys.stderr)
         try:
             self.uvicorn.run(sockets=[sock])
+            if self.uvicorn.should_exit:
+                # a signal stopped it: uvicorn raises it again on the way out, but asyncio.run's
+                # own SIGINT handler can swallow that (a race seen under load), so say it here
+                raise KeyboardInterrupt
         finally:
             self.service.worker.stop()
 

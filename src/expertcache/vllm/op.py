@@ -1,9 +1,10 @@
 """The cached step as an opaque custom op, so that vLLM's compiled graphs call it whole.
 
 torch.compile cannot trace the step's Python bookkeeping (the plan, dict lookups, copies
-into slots); as an opaque op it is one node of the graph and runs eagerly every step,
-in compiled and in eager mode alike. The fake implementation gives the output's shape
-(the kernel returns a fresh ``[T, H]`` like ``x``). Imported once per process.
+into slots); as an opaque op it is one node of the graph and runs eagerly every step.
+Eager mode calls ``step.run`` directly (layer.py): nothing is traced there. The fake
+implementation gives the output's shape (the kernel returns a fresh ``[T, H]`` like
+``x``). Imported once per process.
 """
 
 from __future__ import annotations
