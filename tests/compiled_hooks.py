@@ -28,11 +28,11 @@ class Compiled:
 
     def on_insert(self, key, now):
         self.now = now
-        self.module.on_insert(key, 0, now, self.st)
+        self.module.on_insert(key, 0, now, -1, self.st)
 
     def on_access(self, key, now):
         self.now = now
-        self.module.on_hit(key, 0, now, self.st)
+        self.module.on_hit(key, 0, now, -1, self.st)
 
     def on_remove(self, key):
         self.module.on_evict(key, 0, self.st)

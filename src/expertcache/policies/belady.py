@@ -46,18 +46,29 @@ class Future:
         self._starts, self._uses = starts, flat
 
     @classmethod
-    def from_arrays(cls, starts: np.ndarray, uses: np.ndarray) -> Future:
-        """A future already in ``arrays`` form (the simulator builds it compiled)."""
+    def from_arrays(cls, starts: np.ndarray, uses: np.ndarray, rows: np.ndarray | None = None,
+                    nexts: np.ndarray | None = None) -> Future:
+        """A future already in ``arrays`` form (the simulator builds it compiled). With
+        ``rows`` (int32 [S, W], the steps' keys, -1 none) and ``nexts`` (int64 [S, W], the
+        next step using each, or NEVER), a step whose keys sit in the same columns reads
+        its next uses in order instead of searching each key's list."""
         self = cls.__new__(cls)
         self._starts, self._uses = starts, uses
+        self._rows, self._nexts = rows, nexts
         return self
 
-    def arrays(self, nkeys: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(starts int64 [nkeys + 1], uses int64)``, padded to ``nkeys`` keys."""
+    _rows = _nexts = None
+
+    def arrays(self, nkeys: int) -> tuple[np.ndarray, ...]:
+        """``(starts int64 [nkeys + 1], uses int64, rows, nexts)``, padded to ``nkeys``
+        keys; ``rows`` and ``nexts`` are empty ``[0, 1]`` when not given."""
         starts = self._starts
         if len(starts) < nkeys + 1:  # keys never used
             starts = np.concatenate([starts, np.full(nkeys + 1 - len(starts), starts[-1])])
-        return starts[:nkeys + 1], self._uses
+        rows, nexts = self._rows, self._nexts
+        if rows is None or nexts is None:
+            rows, nexts = np.full((0, 1), -1, np.int32), np.zeros((0, 1), np.int64)
+        return starts[:nkeys + 1], self._uses, rows, nexts
 
     def next_use(self, key: int, now: int) -> int:
         """The first step after ``now`` that uses ``key``, or NEVER."""
@@ -84,7 +95,7 @@ class Belady(EvictionPolicy):
             raise TypeError("belady needs a Future (expertcache.policies.belady.Future)")
         self._future = future
 
-    def future_arrays(self, nkeys: int) -> tuple[np.ndarray, np.ndarray]:
+    def future_arrays(self, nkeys: int) -> tuple[np.ndarray, ...]:
         """The bound future as the compiled policy reads it (``Future.arrays``)."""
         if self._future is None:
             raise ValueError("policy 'belady' is an offline oracle: bind the future first "

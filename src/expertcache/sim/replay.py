@@ -205,8 +205,9 @@ class Prepared:
         return np.repeat(rows, self.L)
 
     @cached_property
-    def future_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(starts, uses)``: every key's use steps in order (``Future.arrays``)."""
+    def future_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(starts, uses, nexts)``: every key's use steps in order, and each access's
+        next use (``Future.from_arrays``)."""
         from ..policies.kernels.belady import future_from_keys
         return future_from_keys(self.keys, self.L * self.E)
 
@@ -317,7 +318,8 @@ def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int)
     policy = spec.policy(cap)
     nkeys, width = prep.L * prep.E, prep.keys.shape[1]
     if policy.needs_future:  # the kernel replays ``keys``' rows: their future, built compiled
-        policy.bind_future(Future.from_arrays(*prep.future_arrays))
+        starts, uses, nexts = prep.future_arrays
+        policy.bind_future(Future.from_arrays(starts, uses, prep.keys, nexts))
     st = kernel.state(policy, nkeys, parts, cap, width)
     sc = skeleton.scratch(prep.L, nkeys, parts, width)
     adm = Admission(spec.admission_cls, spec.admission_params, nkeys, parts).adm

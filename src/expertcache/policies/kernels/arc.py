@@ -28,7 +28,7 @@ def _trim(p, prev, nxt, head, tail, size, where, capacity):
 
 
 @hook
-def on_hit(key, p, s, st):  # to T2's end
+def on_hit(key, p, s, j, st):  # to T2's end
     prev, nxt, head, tail, size, where, target, capacity = st
     remove(key, where[key], prev, nxt, head, tail, size, where)
     append(key, 4 * p + T2, prev, nxt, head, tail, size, where)
@@ -56,7 +56,7 @@ def on_evict(key, p, st):
 
 
 @hook
-def on_insert(key, p, s, st):
+def on_insert(key, p, s, j, st):
     prev, nxt, head, tail, size, where, target, capacity = st
     t1, t2, b1, b2 = 4 * p + T1, 4 * p + T2, 4 * p + B1, 4 * p + B2
     lid = where[key]

@@ -4,7 +4,9 @@ A min-heap per partition holds each resident key under ``-(next use << 21 | (2**
 - key))``: the farthest next use first, then the smaller key, so ties always break the
 same way. A hit re-keys the entry in place. The future is ``Future.arrays``: every key's
 use steps in order (``starts``/``uses``, a CSR table) and a cursor per key that only
-moves forward, as steps do.
+moves forward, as steps do; and, from the simulator, each access's next use in the
+layout of its rows (``nexts``), read in order when the step's key sits in that column
+(a search of ``uses`` per access made the replay 30% slower).
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ def fits(prep) -> bool:
 
 def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
     """Empty heaps at ``cap`` slots per partition, and ``policy``'s bound future."""
-    starts, uses = policy.future_arrays(nkeys)
+    starts, uses, rows, nexts = policy.future_arrays(nkeys)
     return (*heap.new_heap(nkeys, parts, cap, width), starts, uses,
-            starts[:-1].copy(), np.int64(cap))
+            starts[:-1].copy(), rows, nexts, np.int64(cap))
 
 
 @njit(cache=True)
 def future_from_keys(keys, nkeys):
-    """``(starts, uses)``: the steps using each key, in order, from step keys ``[S, W]``."""
+    """``(starts, uses, nexts)`` of step keys ``[S, W]``: the steps using each key, in
+    order (a CSR table), and each access's next use (``int64 [S, W]``, or NEVER)."""
     starts = np.zeros(nkeys + 1, np.int64)
     for s in range(keys.shape[0]):
         for j in range(keys.shape[1]):
@@ -50,44 +53,56 @@ def future_from_keys(keys, nkeys):
             if key >= 0:
                 uses[fill[key]] = s
                 fill[key] += 1
-    return starts, uses
+    nexts = np.full(keys.shape, NEVER, np.int64)
+    seen = np.full(nkeys, NEVER, np.int64)
+    for s in range(keys.shape[0] - 1, -1, -1):
+        for j in range(keys.shape[1]):
+            key = keys[s, j]
+            if key >= 0:
+                nexts[s, j] = seen[key]
+                seen[key] = s
+    return starts, uses, nexts
 
 
 @hook
-def _prio(key, s, starts, uses, cursor):
-    """The heap priority of ``key`` at step ``s``: its next use after ``s``, farthest first."""
-    i, end = cursor[key], starts[key + 1]
-    while i < end and uses[i] <= s:
-        i += 1
-    cursor[key] = i
-    next_use = uses[i] if i < end else NEVER
+def _prio(key, s, j, starts, uses, cursor, rows, nexts):
+    """The heap priority of ``key`` at step ``s`` (column ``j`` of its row, -1 outside a
+    step): its next use after ``s``, farthest first."""
+    if j >= 0 and s < rows.shape[0] and rows[s, j] == key:
+        next_use = nexts[s, j]
+    else:
+        i, end = cursor[key], starts[key + 1]
+        while i < end and uses[i] <= s:
+            i += 1
+        cursor[key] = i
+        next_use = uses[i] if i < end else NEVER
     return -((min(next_use, _STEP_MAX) << KEY_BITS) | (_KEY_MASK - key))
 
 
 @hook
-def on_hit(key, p, s, st):
-    prio, hkey, where, size, todo, starts, uses, cursor, capacity = st
+def on_hit(key, p, s, j, st):
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
     i = where[key]
-    prio[p * capacity + i] = _prio(key, s, starts, uses, cursor)  # later: can only rise
+    prio[p * capacity + i] = _prio(key, s, j, starts, uses, cursor, rows, nexts)  # can only rise
     heap.up(prio, hkey, where, p * capacity, i)
 
 
 @hook
 def find_victim(p, s, stamp, st):
-    prio, hkey, where, size, todo, starts, uses, cursor, capacity = st
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
     return heap.min_unprotected(prio, hkey, stamp, s, p * capacity, size[p], todo)
 
 
 @hook
 def on_evict(key, p, st):
-    prio, hkey, where, size, todo, starts, uses, cursor, capacity = st
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
     heap.remove(prio, hkey, where, size, p, p * capacity, key)
 
 
 @hook
-def on_insert(key, p, s, st):
-    prio, hkey, where, size, todo, starts, uses, cursor, capacity = st
-    heap.push(prio, hkey, where, size, p, p * capacity, key, _prio(key, s, starts, uses, cursor))
+def on_insert(key, p, s, j, st):
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
+    heap.push(prio, hkey, where, size, p, p * capacity, key, _prio(key, s, j, starts, uses, cursor, rows, nexts))
 
 
 # -- entry points: the shared step with this module's hooks (skeleton.py) --------------

@@ -42,7 +42,7 @@ def _touched(p, prio, hkey, where, size, ticks, capacity, decay):
 
 
 @hook
-def on_hit(key, p, s, st):
+def on_hit(key, p, s, j, st):
     prio, hkey, where, size, todo, ticks, capacity, decay = st
     ticks[p] += 1
     i, base = where[key], p * capacity
@@ -65,7 +65,7 @@ def on_evict(key, p, st):
 
 
 @hook
-def on_insert(key, p, s, st):
+def on_insert(key, p, s, j, st):
     prio, hkey, where, size, todo, ticks, capacity, decay = st
     ticks[p] += 1
     heap.push(prio, hkey, where, size, p, p * capacity, key, (1 << TICK_BITS) | ticks[p])

@@ -20,7 +20,7 @@ def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
 # One list per partition, written out here rather than with lists.py's helpers: this is
 # the hottest kernel, and it keeps neither sizes nor list ids.
 @hook
-def on_hit(key, p, s, st):
+def on_hit(key, p, s, j, st):
     prev, nxt, head, tail, recency = st
     if recency[0] and tail[p] != key:  # LRU: to the recent end (the key has a successor)
         a, b = prev[key], nxt[key]
@@ -57,7 +57,7 @@ def on_evict(key, p, st):
 
 
 @hook
-def on_insert(key, p, s, st):
+def on_insert(key, p, s, j, st):
     prev, nxt, head, tail, recency = st
     t = tail[p]
     prev[key], nxt[key] = t, -1

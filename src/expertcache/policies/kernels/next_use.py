@@ -55,7 +55,7 @@ def _new_dict():
 
 
 @hook
-def on_hit(key, p, s, st):
+def on_hit(key, p, s, j, st):
     """on_access = on_insert: learn from the use, then the key goes young in its class."""
     (prev, nxt, head, tail, size, where, last, count, cls_of, period, now_p, seen, hist, score,
      shorter, gen, window, horizon, rebuild_every, halve_every, edges) = st

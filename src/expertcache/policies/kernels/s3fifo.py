@@ -26,7 +26,7 @@ def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
 
 
 @hook
-def on_hit(key, p, s, st):
+def on_hit(key, p, s, j, st):
     prev, nxt, head, tail, size, where, freq, promote, capacity, target = st
     if freq[key] < MAX_FREQ:
         freq[key] += 1
@@ -125,7 +125,7 @@ def on_evict(victim, p, st):
 
 
 @hook
-def on_insert(key, p, s, st):
+def on_insert(key, p, s, j, st):
     prev, nxt, head, tail, size, where, freq, promote, capacity, target = st
     # back from the ghost -> M, else S; then G is trimmed to capacity
     sq, mq, gq = 3 * p + SMALL, 3 * p + MAIN, 3 * p + GHOST

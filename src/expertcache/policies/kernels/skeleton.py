@@ -15,11 +15,12 @@ goes to ``out`` (``out[0, j]`` HIT / LOAD / BYPASS, ``out[1, j]`` the key it evi
 A policy module holds its state as a tuple ``st`` of arrays and defines four hooks, the
 ``EvictionPolicy`` calls, each taking ``st`` last:
 
-- ``on_hit(key, p, s, st)``: ``on_access`` (``p`` partition, ``s`` step);
+- ``on_hit(key, p, s, j, st)``: ``on_access`` (``p`` partition, ``s`` step, ``j`` the
+  key's column in the step's row, -1 outside a step);
 - ``find_victim(p, s, stamp, st) -> key or -1``: ``victim``, a pure query that never
   picks a key with ``stamp[key] == s``;
 - ``on_evict(key, p, st)``: ``on_remove``;
-- ``on_insert(key, p, s, st)``: ``on_insert``.
+- ``on_insert(key, p, s, j, st)``: ``on_insert``.
 
 The hooks and this loop are ``inline="always"``: each policy's entry points compile
 into one function with no calls and (``_nrt=False``) no reference counting, which made
@@ -27,12 +28,13 @@ the loop 3-10x faster than calls. Numba's cache keys an entry point on its own m
 file: after editing this file, ``lists.py`` or ``heap.py``, clear the kernels'
 ``__pycache__`` (a changed policy module recompiles by itself).
 
-Admission is part of the loop, chosen per run by the rule code ``adm[0]``
+Admission is part of the step, chosen by the rule code ``adm[0]``
 (``AdmissionPolicy.kernel``): ``ALWAYS``; ``NEVER``; ``SECOND_HIT`` keeps a ghost LRU
 list of ``ghost`` keys per partition, touched by every access; ``WINDOW`` admits a key
 used ``n_uses`` times within its layer's last ``window`` steps. Either of the last two
-only decides when the miss would evict. The rule is a run-time value, not a compiled
-constant, so one compilation serves every rule (it costs a few percent of a replay).
+only decides when the miss would evict. ``replay`` holds one copy of the loop per rule,
+each with its rule a constant (a run-time rule cost an LRU replay 15-25%); ``step``, one
+call per step of a live table, reads the rule at run time.
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ def admission_state(rule: int, nkeys: int, parts: int, ghost: int = 1, n_uses: i
 
 
 @njit(inline="always")
-def admission(key, p, token, adm):
-    """Record one access; NO, FREE_ONLY or YES should it miss (``AdmissionPolicy``)."""
-    rule, ghost, n_uses, window_steps, gprev, gnext, ghead, gtail, gsize, in_ghost, uses, nuse = adm
+def admission(key, p, token, adm, rule):
+    """Record one access; NO, FREE_ONLY or YES should it miss (``AdmissionPolicy``). ``rule``
+    is ``adm[0]``, passed apart so that a caller can make it a constant."""
+    _, ghost, n_uses, window_steps, gprev, gnext, ghead, gtail, gsize, in_ghost, uses, nuse = adm
     if rule == ALWAYS:
         return YES
     if rule == NEVER:
@@ -125,8 +128,19 @@ def admission(key, p, token, adm):
 @njit(inline="always")
 def step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, on_evict,
          on_insert):
-    """One step: ``row`` int32 keys (-1 = none), step number ``s``, the layer's own step
-    count ``token``, partition ``p`` of ``cap`` slots. Counts into ``sc``'s counts."""
+    """One step of a live table: ``row`` int32 keys (-1 = none), step number ``s``, the
+    layer's own step count ``token``, partition ``p`` of ``cap`` slots. Counts into
+    ``sc``'s counts, and what happened to each key into its ``out``."""
+    _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, on_evict,
+          on_insert, adm[0], True)
+
+
+@njit(inline="always")
+def _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, on_evict,
+          on_insert, rule, live):
+    """``step``; ``rule`` (``adm[0]``) and ``live`` are constants where ``replay`` inlines
+    this, so its loop keeps only its own rule's branch and skips what only a live table
+    needs: the per-key ``out`` and the pins (a replay has none)."""
     counts, resident, used, stamp, pinned, out = sc
     K = row.shape[0]
     for j in range(K):
@@ -135,19 +149,23 @@ def step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, 
     acc = hit = evict = bypass = 0
     for j in range(K):
         key = row[j]
-        out[1, j] = -1
-        if key < 0:
+        if live:
+            out[1, j] = -1
             out[0, j] = PAD
+        if key < 0:
             continue
         acc += 1
-        ok = admission(key, p, token, adm)
+        ok = admission(key, p, token, adm, rule)
         if resident[key]:
             hit += 1
-            out[0, j] = IS_HIT
-            if not pinned[key]:
-                on_hit(key, p, s, st)
+            if live:
+                out[0, j] = IS_HIT
+                if pinned[key]:
+                    continue
+            on_hit(key, p, s, j, st)
             continue
-        out[0, j] = IS_BYPASS
+        if live:
+            out[0, j] = IS_BYPASS
         if used[p] < cap:
             if ok == NO:
                 bypass += 1
@@ -160,11 +178,13 @@ def step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, 
                 continue
             on_evict(victim, p, st)
             resident[victim] = False
-            out[1, j] = victim
+            if live:
+                out[1, j] = victim
             evict += 1
-        on_insert(key, p, s, st)
+        on_insert(key, p, s, j, st)
         resident[key] = True
-        out[0, j] = IS_LOAD
+        if live:
+            out[0, j] = IS_LOAD
     c = counts[phase, layer]
     c[ACC] += acc
     c[HIT] += hit
@@ -176,7 +196,27 @@ def step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, 
 
 @njit(inline="always")
 def replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict, on_insert):
-    """``step`` over every row of ``keys`` (token-major: row ``s`` is layer ``s % L``)."""
+    """``step`` over every row of ``keys`` (token-major: row ``s`` is layer ``s % L``), in
+    one loop per admission rule, each with its rule a constant: the branches of the others
+    vanish (15-25% of an LRU replay)."""
+    rule = adm[0]
+    if rule == ALWAYS:
+        _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+              on_insert, ALWAYS)
+    elif rule == SECOND_HIT:
+        _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+              on_insert, SECOND_HIT)
+    elif rule == WINDOW:
+        _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+              on_insert, WINDOW)
+    else:
+        _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+              on_insert, NEVER)
+
+
+@njit(inline="always")
+def _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict, on_insert,
+          rule):
     layer, token = L - 1, -1
     for s in range(keys.shape[0]):
         if layer == L - 1:                           # layer = s % L, token = s // L (the
@@ -184,8 +224,8 @@ def replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evi
         else:
             layer += 1
         p = 0 if parts == 1 else layer
-        step(keys[s], s, layer, token, phases[s], p, cap, st, sc, adm, on_hit, find_victim,
-             on_evict, on_insert)
+        _step(keys[s], s, layer, token, phases[s], p, cap, st, sc, adm, on_hit, find_victim,
+              on_evict, on_insert, rule, False)
 
 
 @njit(inline="always")
@@ -200,7 +240,7 @@ def seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert):
         if resident[key] or used[p] >= cap:
             continue
         used[p] += 1
-        on_insert(key, p, s, st)
+        on_insert(key, p, s, -1, st)
         resident[key] = True
         loaded[j] = True
 
@@ -209,4 +249,4 @@ def seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert):
 def admit_row(row, p, token, adm, ok):
     """Admission alone over one step's keys (for a plug-in eviction policy's table)."""
     for j in range(row.shape[0]):
-        ok[j] = admission(row[j], p, token, adm) if row[j] >= 0 else NO
+        ok[j] = admission(row[j], p, token, adm, adm[0]) if row[j] >= 0 else NO

@@ -18,7 +18,7 @@ def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
 
 
 @hook
-def on_hit(key, p, s, st):
+def on_hit(key, p, s, j, st):
     prev, nxt, head, tail, size, where, protected_cap = st
     prob, prot = 2 * p + PROBATION, 2 * p + PROTECTED
     lid = where[key]
@@ -46,7 +46,7 @@ def on_evict(key, p, st):
 
 
 @hook
-def on_insert(key, p, s, st):
+def on_insert(key, p, s, j, st):
     prev, nxt, head, tail, size, where, protected_cap = st
     append(key, 2 * p + PROBATION, prev, nxt, head, tail, size, where)
 
