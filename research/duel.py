@@ -8,7 +8,7 @@ al., HotStorage 2018) keeps a weight per rule: each eviction is made by the heav
 and remembered (ghost) with who made it; a later miss on a ghost whose eviction only that
 rule wanted shifts weight to the other, discounted by how long ago it was evicted.
 
-Research copy of policies/kernels/next_use.py's loop (same _use, same _victim); not shipped.
+Research copy of sim/kernels/next_use.py's loop (same _use, same _victim); not shipped.
 
     .venv/bin/python research/duel.py code general synth:mixtral-8x7b:2000 synth:olmoe:2000
 """
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from policy_research import CONFIGS, load, slots_of  # noqa: E402
 
 from expertcache.policies.next_use import _GAPS, _NCLASS, NextUse  # noqa: E402
-from expertcache.policies.kernels.skeleton import tally as _tally  # noqa: E402
-from expertcache.policies.kernels.lists import append as _append, remove as _remove  # noqa: E402
-from expertcache.policies.kernels.next_use import EDGES, _use, _victim  # noqa: E402
+from expertcache.sim.kernels.skeleton import tally as _tally  # noqa: E402
+from expertcache.sim.kernels.lists import append as _append, remove as _remove  # noqa: E402
+from expertcache.sim.kernels.next_use import EDGES, _use, _victim  # noqa: E402
 from expertcache.sim.replay import Prepared, replay  # noqa: E402
 
 

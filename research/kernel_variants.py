@@ -1,7 +1,7 @@
 """Round two: the next-use kernel's loop with victim variants (mode 0: the shipped victim;
 mode 1: scan, layer-phase tie-break; mode 2: odds discounted by the wait for the key's layer;
 modes 3, 4: the same on each class's oldest age group only). Learning (``_use``) and the
-shipped victim come from policies/kernels/next_use.py. Not shipped. Global pool, 768 and 1536 slots.
+shipped victim come from sim/kernels/next_use.py. Not shipped. Global pool, 768 and 1536 slots.
 
     .venv/bin/python research/kernel_variants.py code general
 """
@@ -15,10 +15,10 @@ from numba import types
 from numba.typed import Dict
 
 from expertcache.policies.next_use import _GAPS, _NCLASS
-from expertcache.policies.kernels.lists import append as _append, remove as _remove
+from expertcache.sim.kernels.lists import append as _append, remove as _remove
 # the shipped kernel's own learning and victim search; this file varies the victim only
-from expertcache.policies.kernels.next_use import EDGES, _use, _victim
-from expertcache.policies.kernels.skeleton import tally as _tally
+from expertcache.sim.kernels.next_use import EDGES, _use, _victim
+from expertcache.sim.kernels.skeleton import tally as _tally
 
 
 def next_use_replay(keys, phases, L, E, parts, cap, policy, mode=0):

@@ -1,4 +1,4 @@
-"""Round two: reuse odds rounded to 1/q before ranking, so near-equal odds (flat popularity,\nnoisy estimates) fall to the LRU tie-break. q=0: shipped. Research copy of policies/kernels/next_use.py.\n\n    .venv/bin/python research/quantised_odds.py synth:mixtral-8x7b code general\n"""
+"""Round two: reuse odds rounded to 1/q before ranking, so near-equal odds (flat popularity,\nnoisy estimates) fall to the LRU tie-break. q=0: shipped. Research copy of sim/kernels/next_use.py.\n\n    .venv/bin/python research/quantised_odds.py synth:mixtral-8x7b code general\n"""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from numba import types
 from numba.typed import Dict
 
 from expertcache.policies.next_use import _EDGES, _GAPS, _MIN_OBS, _NCLASS, _TRUST
-from expertcache.policies.kernels.skeleton import tally as _tally
-from expertcache.policies.kernels.lists import append as _append, remove as _remove
+from expertcache.sim.kernels.skeleton import tally as _tally
+from expertcache.sim.kernels.lists import append as _append, remove as _remove
 
 EDGES = np.array(_EDGES, np.float64)
 

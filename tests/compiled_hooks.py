@@ -74,3 +74,14 @@ def s3fifo_queues(st, p: int = 0) -> dict:
     return {"small": {k: int(freq[k]) for k in lists(st, 3 * p + SMALL)},
             "main": {k: int(freq[k]) for k in lists(st, 3 * p + MAIN)},
             "ghost": lists(st, 3 * p + GHOST)}
+
+
+def next_use_state(st, p: int = 0) -> dict:
+    """A next-use state's learning, in the shapes the hand traces are written in:
+    ``period``, ``seen``, ``hist[c][g]``, ``score[c][a]`` and per key ``(last, count,
+    class)`` (policies/kernels/next_use.py ``state``)."""
+    last, count, cls_of, period, seen, hist, score = st[6], st[7], st[8], st[9], st[11], st[12], st[13]
+    return {"period": int(period[p]), "seen": int(seen[p]), "hist": hist[p].tolist(),
+            "score": score[p].tolist(),
+            "info": {k: (int(last[k]), float(count[k]), int(cls_of[k]))
+                     for k in range(len(last)) if last[k] >= 0}}

@@ -5,9 +5,11 @@ score table; per key (kept after eviction) the step of its last use, its decayed
 count and its class; per partition and class a list of resident keys, oldest first
 (list ``p * NCLASS + class``).
 
-Floats follow the Python code operation for operation (``steps / period``,
-``math.exp``, sums of histogram counts, which are whole or halved numbers and so
-exact in any order), so the victims are the same.
+This module is the policy's only definition (the class holds its parameters):
+``_use`` learns from each use, ``_believe`` guards the pass length, ``_rebuild`` and
+``_scores`` turn the gap histogram into reuse odds, ``_victim`` picks the key with
+the lowest odds. Histogram counts are whole or halved numbers, so their sums are
+exact in any order.
 """
 
 from __future__ import annotations
@@ -52,8 +54,6 @@ def _new_dict():
     return Dict.empty(types.int64, types.int64)
 
 
-
-
 @hook
 def on_hit(key, p, s, j, st):
     """on_access = on_insert: learn from the use, then the key goes young in its class."""
@@ -78,7 +78,8 @@ def find_victim(p, s, stamp, st):
 
 @hook
 def _victim(p, NC, head, nxt, stamp, s, last, score, period, now):
-    """NextUse.victim: each class's oldest unprotected key; lowest odds, then oldest."""
+    """The victim: each class's oldest unprotected key is its only candidate (within a
+    class an older key scores no higher); the lowest reuse odds win, then the oldest."""
     per = period if period > 0 else 1
     best, best_score, best_last = -1, 2.0, 0
     for c in range(NC):
@@ -104,7 +105,7 @@ def on_evict(key, p, st):
 @hook
 def _use(key, now, p, last, count, cls_of, period, now_p, seen, hist, score, shorter, gen,
          window, horizon, rebuild_every, halve_every, edges):
-    """NextUse._use: record a use of ``key`` at step ``now``; returns its new class."""
+    """Record a use of ``key`` at step ``now``; returns its new class (the hot path)."""
     now_p[p] = now
     if last[key] < 0:
         n = 1.0
@@ -130,7 +131,9 @@ def _use(key, now, p, last, count, cls_of, period, now_p, seen, hist, score, sho
 
 @njit(cache=True)
 def _believe(p, steps, shorter, gen):
-    """NextUse._believe, the dict keyed per partition and cleared by a generation bump."""
+    """A gap shorter than the pass length becomes the pass length on its _TRUST-th
+    sighting. Sightings are counted in one dict keyed per partition, cleared (after a
+    believed gap) by a generation bump."""
     k = (np.int64(p) << 40) | steps
     n = 0
     if k in shorter:
@@ -147,6 +150,8 @@ def _believe(p, steps, shorter, gen):
 
 @njit(cache=True)
 def _rebuild(p, hist, score, seen, horizon, halve_every):
+    """The score table from the gap histogram (halved now and then, to follow drift); a
+    class with fewer than _MIN_OBS reuses on record borrows the pooled score."""
     NC = hist.shape[1]
     if seen % halve_every == 0:
         for c in range(NC):
@@ -166,7 +171,8 @@ def _rebuild(p, hist, score, seen, horizon, halve_every):
 
 @njit(cache=True)
 def _scores(row, h):
-    """score[a] = P(reuse within h passes | no reuse for a passes), as NextUse._scores."""
+    """score[a] = P(reuse within h passes | no reuse for a passes), from gap counts; gaps
+    past _GAPS sit in one bucket known only to be longer."""
     top = _GAPS + 1
     later = np.zeros(top + 1, np.float64)
     for g in range(top, 0, -1):
