@@ -32,9 +32,9 @@ Admission is part of the step, chosen by the rule code ``adm[0]``
 (``AdmissionPolicy.kernel``): ``ALWAYS``; ``NEVER``; ``SECOND_HIT`` keeps a ghost LRU
 list of ``ghost`` keys per partition, touched by every access; ``WINDOW`` admits a key
 used ``n_uses`` times within its layer's last ``window`` steps. Either of the last two
-only decides when the miss would evict. ``replay`` holds one copy of the loop per rule,
-each with its rule a constant (a run-time rule cost an LRU replay 15-25%); ``step``, one
-call per step of a live table, reads the rule at run time.
+only decides when the miss would evict. ``replay`` holds a copy of the loop for
+``always`` with the rule a constant (a run-time rule cost an LRU replay 15-25%) and one
+for the others; ``step``, one call per step of a live table, reads the rule at run time.
 """
 
 from __future__ import annotations
@@ -196,22 +196,16 @@ def _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
 
 @njit(inline="always")
 def replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict, on_insert):
-    """``step`` over every row of ``keys`` (token-major: row ``s`` is layer ``s % L``), in
-    one loop per admission rule, each with its rule a constant: the branches of the others
-    vanish (15-25% of an LRU replay)."""
-    rule = adm[0]
-    if rule == ALWAYS:
+    """``step`` over every row of ``keys`` (token-major: row ``s`` is layer ``s % L``). The
+    loop is compiled twice: for admission ``always`` with the rule a constant (the other
+    rules' branches vanish: 15-25% of an LRU replay), and for any rule read at run time
+    (a copy per rule cost too much compile time for next-use)."""
+    if adm[0] == ALWAYS:
         _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
               on_insert, ALWAYS)
-    elif rule == SECOND_HIT:
-        _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
-              on_insert, SECOND_HIT)
-    elif rule == WINDOW:
-        _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
-              on_insert, WINDOW)
     else:
         _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
-              on_insert, NEVER)
+              on_insert, adm[0])
 
 
 @njit(inline="always")
