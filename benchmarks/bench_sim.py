@@ -119,7 +119,7 @@ def main() -> int:
         trace = trace.slice_tokens(args.tokens)
     prep = Prepared(trace)
     t = time.perf_counter()
-    prep.keys, prep.nexts, prep.phases  # noqa: B018 (build once, outside the timings)
+    prep.keys, prep.future_arrays, prep.phases  # noqa: B018 (build once, outside the timings)
     print(f"{args.trace}: {trace.num_layers} x {trace.num_experts}, top-{trace.top_k}, "
           f"{trace.num_tokens} tokens; prepared in {time.perf_counter() - t:.2f} s")
     import numba

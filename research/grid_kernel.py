@@ -1,5 +1,5 @@
 """Round two: next-use's window x horizon per configuration on full traces, through the numba
-kernel (sim/kernels/next_use.py; ~1 s a replay). Does the best horizon depend on the capacity?
+kernel (policies/kernels/next_use.py; ~1 s a replay). Does the best horizon depend on the capacity?
 
     .venv/bin/python research/grid_kernel.py code
 """

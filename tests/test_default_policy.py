@@ -15,7 +15,8 @@ from expertcache.policies.registry import eviction_policies, make_eviction, pars
 from expertcache.sim.replay import Prepared, replay, resolve_policy
 from expertcache.trace import load_trace
 
-from conftest import shared_trace  # tests/ is on sys.path (not a package)
+from compiled_hooks import Compiled, next_use_state  # tests/ is on sys.path (not a package)
+from conftest import shared_trace
 
 
 def test_default_is_registered_and_says_what_it_is():
@@ -57,46 +58,53 @@ class Eager(NextUse):
     rebuild_every = 1  # rebuild the score table at every reuse: small hand-checkable cases
 
 
+def _eager(capacity=4, **params):
+    """An Eager next-use run hook by hook through its compiled logic, and its state."""
+    p = Compiled(Eager(capacity, **params))
+    return p, lambda: next_use_state(p.st)
+
+
 def test_what_it_learns_by_hand():
-    p = Eager(4, window=32.0, horizon=2)
+    p, state = _eager(window=32.0, horizon=2)
     p.on_insert(7, 0)
     p.on_access(7, 5)      # first reuse: 5 steps apart, so a pass is 5 steps
-    assert p._period == 5
-    assert p._info[7][1] == pytest.approx(1 + math.exp(-1 / 32))
+    assert state()["period"] == 5
+    assert state()["info"][7][1] == pytest.approx(1 + math.exp(-1 / 32))
     p.on_access(7, 15)     # 2 passes later; the count at the last use was ~1.97 (class 1)
-    assert p._hist[1][2] == 1 and p._hist[0][1] == 1
-    assert p._info[7][1] == pytest.approx(1 + (1 + math.exp(-1 / 32)) * math.exp(-2 / 32))
+    assert state()["hist"][1][2] == 1 and state()["hist"][0][1] == 1
+    assert state()["info"][7][1] == pytest.approx(1 + (1 + math.exp(-1 / 32)) * math.exp(-2 / 32))
     # Fewer than 32 reuses per class: every class scores with the pooled gaps {1, 2}:
     # unused for 0 passes -> both reuses came within 0 + 2 -> 1; for 1 pass -> the one
     # reuse left (gap 2) is within 3 -> 1; for 2 passes -> none left -> 0.
-    assert p._score[0][:3] == [1.0, 1.0, 0.0] and p._score[5][:3] == [1.0, 1.0, 0.0]
+    score = state()["score"]
+    assert score[0][:3] == [1.0, 1.0, 0.0] and score[5][:3] == [1.0, 1.0, 0.0]
 
 
 def test_one_odd_short_gap_does_not_shrink_the_pass():
-    p = Eager(4)
+    p, state = _eager()
     p.on_insert(1, 0)
     p.on_access(1, 48)                 # a pass is 48 steps (48 layers)
     for i, key in enumerate((2, 3, 4)):  # three keys reused after 1 step: not yet believed
         p.on_insert(key, 100 + 10 * i)
         p.on_access(key, 101 + 10 * i)
-    assert p._period == 48
+    assert state()["period"] == 48
     p.on_insert(5, 200)
     p.on_access(5, 201)                # the fourth sighting: the pass really is 1 step
-    assert p._period == 1
+    assert state()["period"] == 1
 
 
 def test_same_step_seeding_is_not_evidence():
-    p = Eager(4)
+    p, state = _eager()
     p.on_insert(1, 0)
     p.on_insert(1, 0)
-    assert p._period == 0 and sum(map(sum, p._hist)) == 0
+    assert state()["period"] == 0 and sum(map(sum, state()["hist"])) == 0
 
 
 def test_learned_victims_are_pure_resident_and_unprotected():
     # The contract suite's workloads are too short to fill the score table; here it is
     # rebuilt at every reuse of a skewed 3-key-per-step stream, so victims come from it.
     rng = random.Random(0)
-    p, resident = Eager(6), set()
+    (p, state), resident = _eager(6), set()
     for now in range(3000):
         step = rng.sample(range(4), 2) + rng.sample(range(4, 24), 1)
         for key in step:
@@ -111,7 +119,8 @@ def test_learned_victims_are_pure_resident_and_unprotected():
                 resident.discard(victim)
             p.on_insert(key, now)
             resident.add(key)
-    assert p._seen > 2000 and p._score[0] != p._score[9]      # learned, per class
+    learned = state()
+    assert learned["seen"] > 2000 and learned["score"][0] != learned["score"][9]  # per class
 
 
 def _scan_sequence(passes):
@@ -158,7 +167,7 @@ def test_beats_lru_on_a_synthetic_trace():
 # Misses over Belady's on the full traces, measured (global 768, 1536, per-layer 768, 1536):
 # code 1.614 1.865 1.325 1.627 (avg 1.608; LRU 1.93), general 1.643 1.952 1.365 1.706
 # (avg 1.666; LRU 1.91). Ours has at most 0.92x LRU's misses in every configuration.
-# The replays run on the numba kernel (sim/kernels/next_use.py, tested equal to SlotTable
+# The replays run on the numba kernel (policies/kernels/next_use.py, tested equal to SlotTable
 # in test_sim_fast.py), ~1 s each.
 BOUND = {"code": 1.64, "general": 1.70}
 

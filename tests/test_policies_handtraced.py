@@ -9,6 +9,8 @@ import pytest
 from expertcache import SlotTable
 from expertcache.policies.belady import Future
 
+from compiled_hooks import Compiled, arc_lists, s3fifo_queues, slru_segment  # tests/ on sys.path
+
 
 def replay(eviction, seq, slots, experts=8, admission="always", **params):
     """Outcome letters and the key evicted at each step (None if none)."""
@@ -113,8 +115,8 @@ def test_slru_demotes_protected_overflow_to_probation():
     seq = [0, 1, 2, 3, 0, 1, 2, 4, 5]
     out, ev, table = replay("slru", seq, 4, eviction_params={"protected": 0.5})
     assert out == "LLLLHHHLL" and ev[7:] == [3, 0]
-    policy = table._parts[0].policy
-    assert [policy.segment(k) for k in (1, 2, 4, 5)] == ["protected"] * 2 + ["probation"] * 2
+    st = table.kernel.st
+    assert [slru_segment(st, k) for k in (1, 2, 4, 5)] == ["protected"] * 2 + ["probation"] * 2
 
 
 def test_lfru_blends_frequency_and_recency():
@@ -139,8 +141,7 @@ def test_arc_adapts_its_target():
     # |B2|/|B1| = 2) raises p to 2 after evicting T2's 1. 0 (in B2) lowers p to 1, evicting 2.
     out, ev, table = replay("arc", [0, 1, 0, 2, 1, 3, 2, 0], 2)
     assert out == "LLHLLLLL" and ev[3:] == [1, 2, 0, 1, 2]
-    policy = table._parts[0].policy
-    assert policy.lists() == {"t1": [3], "t2": [0], "b1": [], "b2": [1, 2]} and policy.p == 1.0
+    assert arc_lists(table.kernel.st) == ({"t1": [3], "t2": [0], "b1": [], "b2": [1, 2]}, 1.0)
 
 
 def test_s3fifo_queues():
@@ -154,7 +155,7 @@ def test_s3fifo_queues():
     out, ev, table = replay("s3fifo", seq, 4, eviction_params={"small": 0.25})
     assert out == "LLLLHLLHLLHL"
     assert [e for e in ev if e is not None] == [1, 2, 3, 4, 1]
-    q = table._parts[0].policy.queues()
+    q = s3fifo_queues(table.kernel.st)
     assert q == {"small": {6: 0}, "main": {2: 0, 5: 0, 0: 0}, "ghost": [3, 4]}
     assert list(q["main"]) == [2, 5, 0]
 
@@ -165,7 +166,7 @@ def test_s3fifo_clock_goes_round_until_the_lowest_count():
     # With 3 protected (the step needs it): round 1 ages all to [0:1, 1:0, 2:2, 3:0] (3 is
     # skipped), round 2 ages 0 to 0 and stops at 1. Left: [2:2, 3:0, 0:0] in that order.
     from expertcache.policies.registry import make_eviction
-    p = make_eviction("s3fifo", 4, small=0.25)
+    p = Compiled(make_eviction("s3fifo", 4, small=0.25))
     for k in range(4):
         p.on_insert(k, 0)
     for k in range(3):
@@ -177,15 +178,15 @@ def test_s3fifo_clock_goes_round_until_the_lowest_count():
             p.on_access(k, 0)
     assert p.victim(()) == 3 and p.victim({3}) == 1 and p.victim({1, 3}) == 0
     p.on_remove(1)
-    assert list(p.queues()["main"].items()) == [(2, 2), (3, 0), (0, 0)]
-    assert p.queues()["small"] == {}
+    assert list(s3fifo_queues(p.st)["main"].items()) == [(2, 2), (3, 0), (0, 0)]
+    assert s3fifo_queues(p.st)["small"] == {}
 
 
 def s3fifo_with_main(counts: dict[int, int]):
     """An s3fifo policy whose M holds ``counts`` (key -> hits) in that order and whose S is
     empty (so the next victim comes from M's CLOCK)."""
     from expertcache.policies.registry import make_eviction
-    p = make_eviction("s3fifo", len(counts) + 1, small=0.01)  # S target 1
+    p = Compiled(make_eviction("s3fifo", len(counts) + 1, small=0.01))  # S target 1
     for k in counts:
         p.on_insert(k, 0)
     for _ in counts:
@@ -195,8 +196,9 @@ def s3fifo_with_main(counts: dict[int, int]):
     for k, hits in counts.items():
         for _ in range(hits):
             p.on_access(k, 0)
-    assert p.queues()["main"] == counts and list(p.queues()["main"]) == list(counts)
-    assert p.queues()["small"] == {}
+    q = s3fifo_queues(p.st)
+    assert q["main"] == counts and list(q["main"]) == list(counts)
+    assert q["small"] == {}
     return p
 
 
@@ -207,7 +209,7 @@ def test_s3fifo_keys_the_hand_passes_lose_f_plus_one_only():
     p = s3fifo_with_main({1: 3, 2: 1, 3: 3})
     assert p.victim(()) == 2
     p.on_remove(2)
-    assert list(p.queues()["main"].items()) == [(3, 2), (1, 1)]
+    assert list(s3fifo_queues(p.st)["main"].items()) == [(3, 2), (1, 1)]
 
 
 def literal_clock(counts: dict[int, int], protected) -> tuple[int, list[tuple[int, int]]]:
@@ -238,7 +240,7 @@ def test_s3fifo_sweep_equals_a_literal_clock():
             victim, left = literal_clock(state, protected)
             assert p.victim(protected) == victim, (state, protected)
             p.on_remove(victim)
-            assert list(p.queues()["main"].items()) == left, (state, protected)
+            assert list(s3fifo_queues(p.st)["main"].items()) == left, (state, protected)
 
 
 def test_static_pins_and_runs_lru_for_the_rest():

@@ -2,7 +2,7 @@
 phase: accesses, hits, misses, loads, evictions, bypasses), on many random traces
 and on slices of the shared real traces; LRU's one-pass stack distances equal a
 SlotTable replay at every size. Every kernel mirrors a policy class in policies/ (one
-step loop, sim/kernels/skeleton.py, with each policy's hooks): a change there without
+step loop, policies/kernels/skeleton.py, with each policy's hooks): a change there without
 its kernel fails here."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from expertcache.cache import SlotTable
 from expertcache.sim.replay import Prepared, lru_all_sizes, replay
 from expertcache.trace import Trace, load_trace
 
@@ -127,7 +128,12 @@ def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
     prep = Prepared(random_trace(np.random.default_rng(3)))
     k, L = prep.trace.top_k, prep.trace.num_layers
     slots = (k + 1) * L
-    assert replay(prep, "lru+never", slots).engine == "table"
+    # never is a compiled rule (NEVER in skeleton.py) since admission is written once; a
+    # plug-in policy (lfru) is what still falls back to the table.
+    assert replay(prep, "lfru", slots).engine == "table"
+    never = replay(prep, "lru+never", slots)
+    assert never.engine == "lru-kernel"
+    assert never.stats.to_dict() == replay(prep, "lru+never", slots, engine="table").stats.to_dict()
     assert replay(prep, "s3fifo", slots).engine == "s3fifo-kernel"
     assert replay(prep, "s3fifo+second-hit", slots).engine == "s3fifo-kernel"
     assert replay(prep, "default", slots).engine == "default-kernel"
@@ -139,12 +145,15 @@ def test_auto_engine_falls_back_to_the_table_when_no_kernel_applies():
         replay(prep, "lfru", slots, engine="fast")
 
 
-def test_a_subclass_that_overrides_a_hook_loses_the_kernel():
+def test_a_subclass_that_overrides_a_hook_is_refused_not_silently_compiled():
+    # A built-in's logic is its kernel (policies/kernels): a subclass that writes a hook of
+    # its own would be ignored by the compiled step, so it is refused wherever it would run;
+    # a subclass that changes nothing still runs the kernel.
     from expertcache.policies import registry
     from expertcache.policies.admission import SecondHit
     from expertcache.policies.lru import LRU
     from expertcache.sim.replay import resolve_policy
-    from expertcache.sim.kernels import kernel_module
+    from expertcache.policies.kernels import kernel_module
 
     class Touchy(LRU):  # on_access differs: the lru kernel no longer reproduces it
         name = "test-touchy"
@@ -166,11 +175,15 @@ def test_a_subclass_that_overrides_a_hook_loses_the_kernel():
     try:
         prep = Prepared(random_trace(np.random.default_rng(4)))
         slots = (prep.trace.top_k + 1) * prep.trace.num_layers
-        assert replay(prep, "test-touchy", slots).engine == "table"
+        with pytest.raises(TypeError, match="overrides on_access"):
+            replay(prep, "test-touchy", slots)
+        with pytest.raises(TypeError, match="overrides on_access"):
+            SlotTable(2, 4, 4, eviction="test-touchy")
         assert replay(prep, "test-same", slots).engine == "test-same-kernel"
-        assert replay(prep, "lru+test-picky", slots).engine == "table"
+        with pytest.raises(TypeError, match="overrides admit"):
+            replay(prep, "lru+test-picky", slots)
         spec = resolve_policy("test-same+second-hit")
-        assert kernel_module(spec.eviction_cls, spec.admission_cls).__name__.endswith(".lru")
+        assert kernel_module(spec.eviction_cls).__name__.endswith(".lru")
     finally:
         for cls in (Touchy, Same, Picky):
             (registry._EVICTION if cls is not Picky else registry._ADMISSION).pop(cls.name)

@@ -182,9 +182,9 @@ def test_sim_never_imports_torch():
 
 
 def test_without_numba_every_replay_runs_through_the_table(monkeypatch):
-    # numba is the `sim` extra: without it the kernels are skipped, and asking for one says
-    # what to install.
-    from expertcache.sim import kernels
+    # Without numba (a broken install) the simulator's whole-trace kernels are skipped, and
+    # asking for one says what to install.
+    from expertcache.policies import kernels
 
     trace = make_trace([[0, 1], [1, 2], [0, 2]], 4)
     fast = replay(trace, "lru", 2)

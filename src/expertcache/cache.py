@@ -14,12 +14,16 @@ import operator
 from collections.abc import Iterable, Sequence
 
 from .keys import ExpertKey
-from .policies.admission import Always
-from .policies.base import NOTHING
-from .policies.registry import make_admission, make_eviction
+from .policies.base import AdmissionPolicy, EvictionPolicy
+from .policies.kernels import compiled
+from .policies.registry import PolicySpec, make_admission, make_eviction
 from .stats import DECODE, FIELDS, Stats, phase_code
 
 PARTITIONS = ("global", "per-layer")
+# What the compiled step did with a key (policies/kernels/skeleton.py), and admission's
+# answers: kept here as plain ints so that importing the table imports no numba.
+IS_HIT, IS_LOAD, IS_BYPASS = 0, 1, 2
+NO, FREE_ONLY, YES = 0, 1, 2
 
 
 class Plan:
@@ -39,24 +43,28 @@ class Plan:
 
 
 class _Partition:
-    """A share of the slots with its own eviction and admission policy."""
+    """A share of the slots: its free slots and, for a plug-in eviction policy, the policy
+    instance and the admission calls it runs with."""
 
-    __slots__ = ("start", "capacity", "free", "policy", "admission", "hooks", "record", "admit")
+    __slots__ = ("start", "capacity", "free", "policy", "record", "admit")
 
-    def __init__(self, start: int, capacity: int, policy, admission) -> None:
+    def __init__(self, start: int, capacity: int, policy=None, admission=None) -> None:
         self.start, self.capacity = start, capacity
         self.free = list(range(start + capacity - 1, start - 1, -1))  # pop() gives lowest first
-        self.policy, self.admission = policy, admission
-        # (on_access, on_insert) as callables of the key alone, None = call the method.
-        self.hooks = policy.key_only_hooks() or (None, None)
-        # None where the call can be skipped: admission that records nothing / admits all.
-        self.record = admission.record if admission.records else None
-        self.admit = None if type(admission).admit is Always.admit else admission.admit
+        self.policy = policy
+        # A plug-in admission policy's calls; None where they can be skipped (records
+        # nothing / admits all) or where admission is a built-in rule (compiled).
+        self.record = admission.record if admission is not None and admission.records else None
+        self.admit = None if admission is None else admission.admit
 
 
 class SlotTable:
     """Maps expert keys to slot ids ``0..slots-1`` under eviction and admission policies.
 
+    ``eviction`` and ``admission`` are names (``"slru:protected=0.5"``), ``PolicySpec``s
+    or policy instances (an instance of a plug-in class serves a global pool only: each
+    partition needs its own). Built-in policies run compiled (``policies/kernels``, the
+    code the simulator replays with); plug-ins run as Python methods.
     ``partition='global'`` shares all slots among layers; ``'per-layer'`` gives each
     layer ``slots // num_layers``. ``pinned`` keys (plus the eviction policy's own
     ``pinned_keys()``) are loaded at construction, count against capacity and are
@@ -64,7 +72,8 @@ class SlotTable:
     """
 
     def __init__(self, num_layers: int, num_experts: int, slots: int, *,
-                 eviction: str = "lru", admission: str = "always",
+                 eviction: str | PolicySpec | EvictionPolicy = "lru",
+                 admission: str | PolicySpec | AdmissionPolicy = "always",
                  partition: str = "global", top_k: int | None = None,
                  pinned: Iterable[int | tuple[int, int]] = (),
                  eviction_params: dict | None = None,
@@ -73,17 +82,39 @@ class SlotTable:
         _check_positive("num_experts", num_experts)
         self.num_layers, self.num_experts, self.slots = num_layers, num_experts, slots
         self.partition, self.top_k = partition, top_k
-        self.eviction_name, self.admission_name = eviction, admission
         shares = partition_shares(num_layers, num_experts, slots, partition, top_k)
-        self._parts = [
-            _Partition(start, cap,
-                       make_eviction(eviction, cap, **(eviction_params or {})),
-                       make_admission(admission, **(admission_params or {})))
-            for start, cap in shares
-        ]
+        policies = [_eviction(eviction, eviction_params, cap, len(shares)) for _, cap in shares]
+        adm_policy = _admission(admission, admission_params)
+        self.eviction_name, self.admission_name = policies[0].name, adm_policy.name
+        policy_pins = set()
+        for i, policy in enumerate(policies):  # a wrapper (static): its pins, then its inner
+            while isinstance(getattr(policy, "inner", None), EvictionPolicy):
+                policy_pins.update(policy.pinned_keys())
+                policy = policy.inner
+            policy_pins.update(policy.pinned_keys())
+            policies[i] = policy
+        self.needs_future = policies[0].needs_future
+        self._kernel = self._admission = None
+        if compiled(type(policies[0])):  # built-in: the compiled step
+            if not compiled(type(adm_policy)):
+                raise ValueError(f"admission policy {adm_policy.name!r} is a plug-in: it runs with "
+                                 f"plug-in eviction policies only, and {policies[0].name!r} is a "
+                                 "built-in (compiled); use a built-in admission rule")
+            from .policies.kernels.table import Kernel
+            self._kernel = Kernel(policies[0], type(adm_policy), _params(adm_policy),
+                                  num_layers, num_experts, len(shares), shares[0][1])
+            self._parts = [_Partition(start, cap) for start, cap in shares]
+        else:
+            if compiled(type(adm_policy)):
+                from .policies.kernels.table import Admission
+                self._admission = Admission(type(adm_policy), _params(adm_policy),
+                                            num_layers * num_experts, len(shares))
+            self._parts = [_Partition(start, cap, policy,
+                                      None if self._admission else _admission(admission,
+                                                                              admission_params))
+                           for (start, cap), policy in zip(shares, policies)]
         self._part_of_layer = (self._parts * num_layers if partition == "global"
                                else self._parts)
-        self.needs_future = self._parts[0].policy.needs_future
         self._future_bound = False
         self._expert_ids = frozenset(range(num_experts))  # valid expert ids, for one-call checks
         self._slot_of: dict[int, int] = {}
@@ -92,9 +123,6 @@ class SlotTable:
         self._now = 0
         self._layer_now = [0] * num_layers
         self._counts = [[[0] * len(FIELDS) for _ in range(num_layers)] for _ in range(2)]
-        policy_pins = set()
-        for part in self._parts:
-            policy_pins.update(part.policy.pinned_keys())
         self._pin(list(pinned) + sorted(policy_pins))
 
     # -- construction helpers -------------------------------------------------
@@ -114,6 +142,8 @@ class SlotTable:
             slot = part.free.pop()
             self._slot_of[key], self._key_of[slot] = slot, key
             self._pinned.add(key)
+            if self._kernel is not None:
+                self._kernel.pin(key, self._part_index(key // self.num_experts))
         return new
 
     # -- queries --------------------------------------------------------------
@@ -153,19 +183,37 @@ class SlotTable:
     def partition_capacity(self) -> int:
         return self._parts[0].capacity
 
+    @property
+    def kernel(self):
+        """The compiled state of a built-in policy (``policies.kernels.table.Kernel``: its
+        module and arrays, read-only by contract), or None for a plug-in. For checks and
+        research code that read a policy's state without patching the table."""
+        return self._kernel
+
     def stats(self) -> Stats:
+        if self._kernel is not None:
+            return Stats(self._kernel.counts.tolist())
         return Stats(self._counts)
 
     def reset_stats(self) -> None:
+        if self._kernel is not None:
+            self._kernel.counts[:] = 0
         for phase in self._counts:
             for row in phase:
                 row[:] = [0] * len(FIELDS)
 
+    def _part_index(self, layer: int) -> int:
+        return 0 if len(self._parts) == 1 else layer
+
     # -- mutation -------------------------------------------------------------
     def bind_future(self, future: object) -> None:
-        """Hand the future accesses to an oracle policy (``belady``)."""
-        for part in self._parts:
-            part.policy.bind_future(future)
+        """Hand the future accesses to an oracle policy (``belady``): a ``Future`` of the
+        steps this table will be given, in order."""
+        if self._kernel is not None:
+            self._kernel.bind_future(future)
+        else:
+            for part in self._parts:
+                part.policy.bind_future(future)
         self._future_bound = True
 
     def pin(self, keys: Iterable[int | tuple[int, int]]) -> Plan:
@@ -192,23 +240,33 @@ class SlotTable:
 
     def seed(self, keys: Iterable[int | tuple[int, int]]) -> Plan:
         """Preload keys into free slots (evictable later); no access is counted."""
+        self._check_future()
         plan = Plan()
-        for item in keys:
-            key = self.as_key(item)
+        keys = [self.as_key(item) for item in keys]
+        if self._kernel is not None:
+            loaded = self._kernel.seed(keys, self._now)
+        for i, key in enumerate(keys):
             part = self._part_of_layer[key // self.num_experts]
-            if key in self._slot_of or not part.free:
+            if self._kernel is not None:
+                if not loaded[i]:
+                    continue
+            elif key in self._slot_of or not part.free:
                 continue
+            else:
+                part.policy.on_insert(key, self._now)
             slot = part.free.pop()
             self._slot_of[key], self._key_of[slot] = slot, key
-            part.policy.on_insert(key, self._now)
             plan.loads[key] = slot
         return plan
 
-    def step(self, layer: int, experts: Sequence[int], phase: int | str = DECODE) -> Plan:
-        """Plan one layer's forward needing ``experts`` (router rank order, rank 0 first)."""
+    def _check_future(self) -> None:
         if self.needs_future and not self._future_bound:
             raise ValueError(f"policy {self.eviction_name!r} is an offline oracle: it needs the future "
                              "accesses, which only a replayed trace has (expertcache sim / bench)")
+
+    def step(self, layer: int, experts: Sequence[int], phase: int | str = DECODE) -> Plan:
+        """Plan one layer's forward needing ``experts`` (router rank order, rank 0 first)."""
+        self._check_future()
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range 0..{self.num_layers - 1}")
         if phase != DECODE:
@@ -223,45 +281,71 @@ class SlotTable:
         return self._step(layer, unique, phase)
 
     def _step(self, layer: int, experts: dict[int, None], phase: int) -> Plan:
-        # ``experts``: unique ids in rank order. The hot path: attributes are bound to
-        # locals once per step, the protected set is built only when a victim is needed,
-        # counters come from the plan's sizes (a step's keys are unique), admission is
-        # skipped when it is plain ``always``, and policies that ignore ``now`` may hand
-        # over C-level callables (``key_only_hooks``). The order of calls is unchanged:
-        # keys in rank order, record before admit, a victim only when the partition is full.
+        """``experts``: unique ids in rank order (checked). The compiled step for a built-in
+        policy, the Python one for a plug-in."""
+        if self._kernel is None:
+            return self._plugin_step(layer, experts, phase)
+        plan = Plan()
+        base = layer * self.num_experts
+        keys = [base + e for e in experts]
+        kinds, victims = self._kernel.step(keys, self._now, layer, self._layer_now[layer], phase,
+                                           self._part_index(layer))
+        slot_of, key_of, free = self._slot_of, self._key_of, self._part_of_layer[layer].free
+        for key, kind, victim in zip(keys, kinds, victims):
+            if kind == IS_HIT:
+                plan.hits[key] = slot_of[key]
+            elif kind == IS_LOAD:
+                if victim >= 0:
+                    slot = plan.evictions[victim] = slot_of.pop(victim)
+                else:
+                    slot = free.pop()
+                slot_of[key] = slot
+                key_of[slot] = key
+                plan.loads[key] = slot
+            else:
+                plan.bypasses.append(key)
+        self._now += 1
+        self._layer_now[layer] += 1
+        return plan
+
+    def _plugin_step(self, layer: int, experts: dict[int, None], phase: int) -> Plan:
+        # A plug-in eviction policy's methods, called as the compiled step calls its hooks
+        # (policies/kernels/skeleton.py): keys in rank order, admission's record before
+        # its answer, a victim only when the partition is full. Admission is a built-in
+        # rule (its answers for the whole step come from the compiled rule first) or a
+        # plug-in (record / admit called per key).
         plan = Plan()
         hits, loads, evictions, bypasses = plan.hits, plan.loads, plan.evictions, plan.bypasses
         part = self._part_of_layer[layer]
-        policy, free = part.policy, part.free
-        access_key, insert_key = part.hooks
-        record, admit = part.record, part.admit
+        policy, free, record, admit = part.policy, part.free, part.record, part.admit
         slot_of, key_of, pinned, now = self._slot_of, self._key_of, self._pinned, self._now
         layer_now = self._layer_now[layer]
         base = layer * self.num_experts
+        keys = [base + e for e in experts]
+        answers = (self._admission.answers(keys, self._part_index(layer), layer_now)
+                   if self._admission is not None else None)
         protected = None
-        for e in experts:
-            key = base + e
+        for i, key in enumerate(keys):
             if record is not None:
                 record(key, layer_now)
             slot = slot_of.get(key)
             if slot is not None:
                 hits[key] = slot
                 if key not in pinned:
-                    if access_key is None:
-                        policy.on_access(key, now)
-                    elif access_key is not NOTHING:
-                        access_key(key)
+                    policy.on_access(key, now)
                 continue
             if free:
-                if admit is not None and not admit(key, None):
+                if (answers[i] == NO) if answers is not None else \
+                        (admit is not None and not admit(key, None)):
                     bypasses.append(key)
                     continue
                 slot = free.pop()
             else:
                 if protected is None:
-                    protected = {base + x for x in experts}
+                    protected = set(keys)
                 victim = policy.victim(protected)
-                if victim is None or (admit is not None and not admit(key, victim)):
+                if victim is None or ((answers[i] != YES) if answers is not None else
+                                      (admit is not None and not admit(key, victim))):
                     bypasses.append(key)
                     continue
                 slot = slot_of.pop(victim)
@@ -269,13 +353,10 @@ class SlotTable:
                 evictions[victim] = slot
             slot_of[key] = slot
             key_of[slot] = key
-            if insert_key is None:
-                policy.on_insert(key, now)
-            else:
-                insert_key(key)
+            policy.on_insert(key, now)
             loads[key] = slot
         row = self._counts[phase][layer]
-        n, h = len(experts), len(hits)
+        n, h = len(keys), len(hits)
         row[0] += n
         row[1] += h
         row[2] += n - h
@@ -332,3 +413,26 @@ def _check_positive(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive whole number, got {value!r}")
 
 
+def _eviction(value, params: dict | None, capacity: int, partitions: int) -> EvictionPolicy:
+    """One partition's eviction policy from a name, a spec or an instance."""
+    if isinstance(value, EvictionPolicy):
+        if params:
+            raise ValueError("eviction_params go with a policy name or spec, not an instance")
+        if not compiled(type(value)) and partitions > 1:
+            raise ValueError(f"a plug-in policy instance ({value.name!r}) holds one partition's "
+                             "state: pass its name or PolicySpec for a per-layer table")
+        return value
+    return make_eviction(value, capacity, **(params or {}))
+
+
+def _admission(value, params: dict | None) -> AdmissionPolicy:
+    if isinstance(value, AdmissionPolicy):
+        if params:
+            raise ValueError("admission_params go with a policy name or spec, not an instance")
+        return value
+    return make_admission(value, **(params or {}))
+
+
+def _params(policy) -> dict:
+    """A policy instance's parameters, read back under their registered names."""
+    return {name: getattr(policy, name) for name in type(policy).params}

@@ -193,3 +193,17 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the main module mu
     # (async scheduling), so one more real forward may run than tokens were asked for
     assert doc["steps"] in (MAX_TOKENS, MAX_TOKENS + 1) and doc["warmup_steps"] >= 1
     assert doc["stats"]["total"]["bypasses"] > 0  # the rounds ran
+
+
+def test_vllm_kernel_scan_survives_numba():
+    """vLLM 0.32's CPU worker scans every module for Triton kernels with
+    ``vars(value).get(...)``; llvmlite's ``ffi.lib`` (imported with numba, which runs the
+    built-in policies) broke that scan until ``register`` shielded it."""
+    import numba  # noqa: F401  (brings llvmlite.binding.ffi into sys.modules)
+    from llvmlite.binding import ffi
+    from vllm.triton_utils import dispatcher
+
+    from expertcache.vllm.plugin import register
+    register()
+    assert isinstance(vars(ffi.lib), dict)
+    dispatcher._rebind_kernels([(object(), None)])  # the scan alone, nothing to rebind

@@ -1,8 +1,11 @@
-"""Admission policies: should a missed key take a slot, or be served as a bypass?"""
+"""Admission policies: should a missed key take a slot, or be served as a bypass?
+
+The built-in rules are compiled, written once in ``policies/kernels/skeleton.py``
+(``admission``) and run by both ``SlotTable`` and the simulator; a class here holds its
+name, parameters and their checks, and in ``kernel`` the rule's code there.
+"""
 
 from __future__ import annotations
-
-from collections import OrderedDict, deque
 
 from .base import AdmissionPolicy
 from .registry import register
@@ -11,22 +14,17 @@ from .registry import register
 @register
 class Always(AdmissionPolicy):
     name = "always"
-    kernel = 0  # the code sim/kernels/skeleton.py compiles in (ALWAYS)
+    kernel = 0  # ALWAYS in policies/kernels/skeleton.py
     description = "admit every missed key (plain demand caching)"
     records = False
-
-    def admit(self, candidate: int, victim: int | None) -> bool:
-        return True
 
 
 @register
 class Never(AdmissionPolicy):
     name = "never"
+    kernel = 3  # NEVER
     description = "admit nothing: every miss is a bypass (llama.cpp's copy-every-pass)"
     records = False
-
-    def admit(self, candidate: int, victim: int | None) -> bool:
-        return False
 
 
 @register
@@ -40,24 +38,9 @@ class SecondHit(AdmissionPolicy):
     def __init__(self, ghost: int = 4096) -> None:
         if ghost < 1:
             raise ValueError("parameter 'ghost' of policy 'second-hit' must be at least 1")
-        self.ghost_size = ghost
-        # Recently seen keys, oldest first. Hits are recorded too (the table calls record
-        # for every access), so a key evicted soon after a hit is readmitted at once.
-        self._ghost: OrderedDict[int, None] = OrderedDict()
-        self._seen_before = False
-
-    def record(self, key: int, now: int) -> None:
-        # Remember whether this key was seen before this access, then note it.
-        self._seen_before = key in self._ghost
-        if self._seen_before:
-            self._ghost.move_to_end(key)
-        else:
-            self._ghost[key] = None
-            if len(self._ghost) > self.ghost_size:
-                self._ghost.popitem(last=False)
-
-    def admit(self, candidate: int, victim: int | None) -> bool:
-        return victim is None or self._seen_before
+        # Hits are recorded too (every access is), so a key evicted soon after a hit is
+        # readmitted at once.
+        self.ghost = ghost
 
 
 @register
@@ -72,17 +55,3 @@ class Window(AdmissionPolicy):
         if n < 1 or w < 1:
             raise ValueError("parameters 'n' and 'w' of policy 'window' must be at least 1")
         self.n, self.w = n, w
-        self._uses: dict[int, deque[int]] = {}
-        self._count = 0
-
-    def record(self, key: int, now: int) -> None:
-        uses = self._uses.get(key)
-        if uses is None:
-            uses = self._uses[key] = deque()
-        uses.append(now)
-        while uses and uses[0] <= now - self.w:
-            uses.popleft()
-        self._count = len(uses)
-
-    def admit(self, candidate: int, victim: int | None) -> bool:
-        return victim is None or self._count >= self.n

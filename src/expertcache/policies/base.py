@@ -11,10 +11,6 @@ from collections.abc import Container, Iterable
 from typing import ClassVar
 
 
-def NOTHING(key: int) -> None:
-    """The hook that does nothing (see ``EvictionPolicy.key_only_hooks``)."""
-
-
 class EvictionPolicy:
     """Chooses which resident key leaves when a new one needs its slot.
 
@@ -30,8 +26,8 @@ class EvictionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # True for oracles that must be given the future (see ``bind_future``).
     needs_future: ClassVar[bool] = False
-    # The simulator's exact numba kernel for this class (a module of expertcache.sim.kernels),
-    # or None. Subclasses that override a hook lose it (they replay through SlotTable).
+    # A built-in's compiled logic (a module of expertcache.policies.kernels),
+    # or None (a plug-in). A subclass that overrides a hook is refused (kernels.compiled).
     kernel: ClassVar[str | None] = None
 
     def __init__(self, capacity: int, **params: object) -> None:
@@ -59,16 +55,6 @@ class EvictionPolicy:
         """The key to evict, never one in ``protected``; None if all are protected."""
         raise NotImplementedError
 
-    def key_only_hooks(self) -> tuple | None:
-        """Optional speed-up for policies whose hooks ignore ``now``.
-
-        Return ``(on_access, on_insert)`` as callables of the key alone (typically
-        C-level methods of a container) that do exactly what the methods do, with
-        ``NOTHING`` for a hook that does nothing; the table then calls those instead.
-        None (the default) means: call ``on_access`` and ``on_insert``.
-        """
-        return None
-
     def pinned_keys(self) -> Iterable[int]:
         """Keys the table must keep resident forever (the ``static`` policy's set)."""
         return ()
@@ -85,7 +71,8 @@ class AdmissionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # False lets the table skip ``record`` calls on its hot path.
     records: ClassVar[bool] = True
-    # The code of this rule in the simulator's kernels (sim/kernels/skeleton.py), or None.
+    # A built-in rule's code in the compiled step (policies/kernels/skeleton.py); None for a
+    # plug-in, whose record / admit run as Python methods.
     kernel: ClassVar[int | None] = None
 
     def __init__(self, **params: object) -> None:

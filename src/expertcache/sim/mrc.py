@@ -1,7 +1,7 @@
 """Sweeps: many policies at many sizes, as fast as exactness allows.
 
 Plain ``lru`` at several sizes gets every size from one stack-distance pass; every
-policy with a kernel (``sim.kernels``) runs it per size; every other policy
+policy with a kernel (``policies.kernels``) runs it per size; every other policy
 (including third-party entry-point policies) replays through ``SlotTable`` in
 worker processes, one job per (policy, size). Policy names are resolved and every
 size validated once, before any work.
@@ -15,10 +15,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
 
+from ..policies.admission import Always
 from ..policies.belady import Belady
 from ..trace.format import Trace
 from .replay import (ReplayPolicy, Prepared, ReplayResult, check_size, check_table, kernel_for,
-                     kernel_result, resolve_policy, table_replay)
+                     kernel_result, lru_all_sizes, resolve_policy, table_replay)
 
 OPTIMUM = Belady.name
 STACK_SIZES = 3  # from this many LRU sizes on, one stack-distance pass beats a kernel per size
@@ -87,12 +88,15 @@ def sweep_sizes(trace: Trace, partition: str, points: int) -> list[int]:
 # -- jobs -----------------------------------------------------------------------
 def _kernel_results(prep: Prepared, spec: ReplayPolicy, kernel, slots_list,
                     partition) -> list[ReplayResult]:
-    all_sizes = getattr(kernel, "all_sizes", None)  # one pass for every size, if it applies
-    if all_sizes is not None and len(slots_list) >= STACK_SIZES:
-        out = all_sizes(prep, spec, slots_list, partition)
-        if out is not None:
-            return out
+    if len(slots_list) >= STACK_SIZES and _plain_lru(spec):  # one pass for every size
+        return lru_all_sizes(prep, slots_list, partition, spec)
     return [kernel_result(prep, spec, kernel, slots, partition) for slots in slots_list]
+
+
+def _plain_lru(spec: ReplayPolicy) -> bool:
+    """LRU (hits reorder) with admission always: what ``sim.stack`` answers at every size."""
+    return (spec.eviction_cls.kernel == "lru" and spec.eviction_cls.reorders
+            and spec.admission_cls.kernel == Always.kernel)
 
 
 def _table_result(prep: Prepared, spec: ReplayPolicy, slots: int, partition: str) -> ReplayResult:

@@ -8,9 +8,9 @@ union of the prompt tokens' experts, as the live run planned it
 (``trace.steps``); the kernels take such steps padded to the widest. ``belady`` is the exact
 optimum with forced admission: the table is handed a ``Future`` built from the
 same steps. The table is the runtime's own code, so simulated and live hit
-rates cannot drift apart; the numba kernels of ``sim.kernels`` (one step loop, one
-module of hooks per built-in policy) reproduce it counter for counter (tested
-equal) and are used when they apply.
+rates cannot drift apart. A built-in policy's logic is its compiled kernel
+(``policies.kernels``: one step, one module of hooks per policy), which the table
+runs one step per call and the simulator here a whole trace per call (``run_kernel``).
 """
 
 from __future__ import annotations
@@ -205,9 +205,11 @@ class Prepared:
         return np.repeat(rows, self.L)
 
     @cached_property
-    def nexts(self) -> np.ndarray:       # int64 [R*L, W] next step using each key, or NEVER
-        from .kernels.belady import next_uses
-        return next_uses(self.keys)
+    def future_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(starts, uses, nexts)``: every key's use steps in order, and each access's
+        next use (``Future.from_arrays``)."""
+        from ..policies.kernels.belady import future_from_keys
+        return future_from_keys(self.keys, self.L * self.E)
 
     @cached_property
     def step_lists(self) -> list[list[list[int]]]:
@@ -267,7 +269,7 @@ def replay(trace: Trace | Prepared, policy: str | PolicyPair | ReplayPolicy, slo
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
     kernel = None if pinned or seed else kernel_for(prep, spec)
     if engine == "fast" and kernel is None:
-        from .kernels import have_numba
+        from ..policies.kernels import have_numba
         if not have_numba():
             raise ValueError("engine 'fast' needs numba, which is not installed: "
                              "pip install 'expertcache[sim]' (or use engine 'table' or 'auto')")
@@ -282,9 +284,12 @@ def replay(trace: Trace | Prepared, policy: str | PolicyPair | ReplayPolicy, slo
 
 
 def kernel_for(prep: Prepared, spec: ReplayPolicy):
-    """The kernel module that reproduces ``spec`` on this trace, or None (see ``sim.kernels``)."""
-    from .kernels import kernel_module
-    module = kernel_module(spec.eviction_cls, spec.admission_cls)
+    """The kernel module of ``spec``'s built-in policy, if it fits this trace; else None (a
+    plug-in policy or admission rule, or no numba: the table replays it)."""
+    from ..policies.kernels import compiled, have_numba, kernel_module
+    if not have_numba() or not compiled(spec.admission_cls):
+        return None
+    module = kernel_module(spec.eviction_cls)
     if module is None or not getattr(module, "fits", _fits)(prep):
         return None
     return module
@@ -298,19 +303,35 @@ def _fits(prep: Prepared) -> bool:
 def kernel_result(prep: Prepared, spec: ReplayPolicy, kernel, slots: int,
                   partition: str) -> ReplayResult:
     """One size through ``kernel`` (from ``kernel_for``); validates the size first."""
-    from .kernels import admission_args
     cap = check_size(prep.trace, spec, slots, partition)
     parts = 1 if partition == "global" else prep.L
-    counts = kernel.run(prep, spec.policy(cap), parts, cap,
-                        admission_args(spec.admission_cls, spec.admission_params))
+    counts = run_kernel(prep, kernel, spec, parts, cap)
     return ReplayResult(spec.eviction, spec.admission, partition, slots, Stats(counts.tolist()),
                         f"{spec.eviction}-kernel", spec.label)
 
 
+def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int) -> np.ndarray:
+    """Counts ``[2, L, 6]``: the whole trace through ``kernel``'s compiled replay, over the
+    state ``SlotTable`` keeps for the same policy (``policies/kernels/table.py``)."""
+    from ..policies.kernels import skeleton
+    from ..policies.kernels.table import Admission
+    policy = spec.policy(cap)
+    nkeys, width = prep.L * prep.E, prep.keys.shape[1]
+    if policy.needs_future:  # the kernel replays ``keys``' rows: their future, built compiled
+        starts, uses, nexts = prep.future_arrays
+        policy.bind_future(Future.from_arrays(starts, uses, prep.keys, nexts))
+    st = kernel.state(policy, nkeys, parts, cap, width)
+    sc = skeleton.scratch(prep.L, nkeys, parts, width)
+    adm = Admission(spec.admission_cls, spec.admission_params, nkeys, parts).adm
+    kernel.replay(prep.keys, prep.phases, prep.L, parts, cap, st, sc, adm)
+    return sc[0]
+
+
 def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str,
                   spec: ReplayPolicy | None = None) -> list[ReplayResult]:
-    """LRU at every size from one pass of stack distances (``sim.kernels.lru``)."""
-    from .kernels import lru
+    """LRU at every size from one pass of stack distances (``sim.stack``)."""
+    from ..policies.kernels import lru
+    from . import stack
     spec = spec or resolve_policy("lru")
     caps = [check_size(prep.trace, spec, slots, partition) for slots in slots_list]
     parts = 1 if partition == "global" else prep.L
@@ -319,12 +340,12 @@ def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str,
     for slots, cap in zip(slots_list, caps):
         if cap < prep.widest_step:
             # A step wider than the cache bypasses part of itself and the stack argument
-            # (module doc of sim.kernels.lru) no longer holds: replay this size exactly.
+            # (module doc of sim.stack) no longer holds: replay this size exactly.
             out.append(kernel_result(prep, spec, lru, slots, partition))
             continue
         if dist is None:
-            dist = lru.lru_distances(prep.keys, prep.phases, prep.L, prep.E, parts)
-        counts = lru.lru_counts_at(dist, cap, parts)
+            dist = stack.lru_distances(prep.keys, prep.phases, prep.L, prep.E, parts)
+        counts = stack.lru_counts_at(dist, cap, parts)
         out.append(ReplayResult("lru", "always", partition, slots, Stats(counts.tolist()),
                                 "lru-stack", spec.label))
     return out

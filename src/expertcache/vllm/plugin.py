@@ -22,6 +22,7 @@ def register() -> None:
         log.warning("expertcache: vLLM %s is not a supported version (%s); the plug-in stays off",
                     vllm.__version__, ", ".join(SUPPORTED))
         return
+    _shield_llvmlite()
     from . import op  # noqa: F401  (registers the custom op once per process)
     from .layer import ExpertCacheRoutedExperts
 
@@ -35,3 +36,23 @@ def register() -> None:
     PluggableLayer.register_oot(ExpertCacheRoutedExperts, name="RoutedExperts")
     from .telemetry import register_collector
     register_collector()
+
+
+def _shield_llvmlite() -> None:
+    """Keep numba (which runs the built-in policies) from breaking vLLM's kernel dispatcher.
+
+    vLLM 0.32's CPU worker rebinds Triton kernels by scanning every module namespace and
+    calling ``vars(value).get("kernel")`` on each value that ``hasattr(value, "__dict__")``.
+    llvmlite's ``binding.ffi.lib`` answers any attribute with a wrapped C function, so
+    ``vars(lib)`` is not a dict and the scan raises AttributeError: any vLLM engine made
+    after numba was imported fails to start. Giving ``lib`` an empty ``__dict__`` entry in
+    its own function table makes the scan skip it; llvmlite never looks that name up.
+    ``tests/vllm_plugin`` pins this (engines made after the kernels compiled).
+    """
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    table = getattr(ffi.lib, "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})

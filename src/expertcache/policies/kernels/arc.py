@@ -4,21 +4,18 @@ the ghost lists B1, B2 per partition, and T1's target size ``p`` of each partiti
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from .lists import append, new_lists, oldest_unprotected, remove
 from . import skeleton
-from .skeleton import hook, specialize
+from .skeleton import hook
 
 T1, T2, B1, B2 = 0, 1, 2, 3   # list ``p * 4 + i``
 
 
-def run(prep, policy, parts: int, cap: int, admission: tuple) -> np.ndarray:
-    """Counts ``[2, L, 6]`` of ARC at ``cap`` slots per partition."""
-    st = (*new_lists(prep.L * prep.E, 4 * parts), np.zeros(parts, np.float64), np.int64(cap))
-    return skeleton.run(replay, prep, parts, cap, st, admission)
-
-
-STATE = ("prev", "nxt", "head", "tail", "size", "where", "target", "capacity")
+def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
+    """Empty lists and T1 targets of 0 for ARC at ``cap`` slots per partition."""
+    return (*new_lists(nkeys, 4 * parts), np.zeros(parts, np.float64), np.int64(cap))
 
 
 @hook
@@ -31,13 +28,15 @@ def _trim(p, prev, nxt, head, tail, size, where, capacity):
 
 
 @hook
-def on_hit(key, p, s, j, prev, nxt, head, tail, size, where, target, capacity):  # to T2's end
+def on_hit(key, p, s, j, st):  # to T2's end
+    prev, nxt, head, tail, size, where, target, capacity = st
     remove(key, where[key], prev, nxt, head, tail, size, where)
     append(key, 4 * p + T2, prev, nxt, head, tail, size, where)
 
 
 @hook
-def find_victim(p, s, stamp, prev, nxt, head, tail, size, where, target, capacity):
+def find_victim(p, s, stamp, st):
+    prev, nxt, head, tail, size, where, target, capacity = st
     t1, t2 = 4 * p + T1, 4 * p + T2
     first, second = (t1, t2) if size[t1] > target[p] else (t2, t1)
     victim = oldest_unprotected(first, head, nxt, stamp, s)
@@ -47,7 +46,8 @@ def find_victim(p, s, stamp, prev, nxt, head, tail, size, where, target, capacit
 
 
 @hook
-def on_evict(key, p, prev, nxt, head, tail, size, where, target, capacity):
+def on_evict(key, p, st):
+    prev, nxt, head, tail, size, where, target, capacity = st
     # to the ghost list of the list it leaves, then trim
     ghost = 4 * p + (B1 if where[key] == 4 * p + T1 else B2)
     remove(key, where[key], prev, nxt, head, tail, size, where)
@@ -56,7 +56,8 @@ def on_evict(key, p, prev, nxt, head, tail, size, where, target, capacity):
 
 
 @hook
-def on_insert(key, p, s, j, prev, nxt, head, tail, size, where, target, capacity):
+def on_insert(key, p, s, j, st):
+    prev, nxt, head, tail, size, where, target, capacity = st
     t1, t2, b1, b2 = 4 * p + T1, 4 * p + T2, 4 * p + B1, 4 * p + B2
     lid = where[key]
     if lid == b1:    # T1 was too small
@@ -72,4 +73,19 @@ def on_insert(key, p, s, j, prev, nxt, head, tail, size, where, target, capacity
     _trim(p, prev, nxt, head, tail, size, where, capacity)
 
 
-replay = specialize(globals(), "arc_replay")
+# -- entry points: the shared step with this module's hooks (skeleton.py) --------------
+@njit(cache=True, _nrt=False)
+def replay(keys, phases, L, parts, cap, st, sc, adm):
+    skeleton.replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+                    on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def step(row, s, layer, token, phase, p, cap, st, sc, adm):
+    skeleton.step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
+                  on_evict, on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def seed(keys, loaded, s, parts, num_experts, cap, st, sc):
+    skeleton.seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert)

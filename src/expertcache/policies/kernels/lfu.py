@@ -8,9 +8,10 @@ can reorder ties: the heap is rebuilt.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from . import heap, skeleton
-from .skeleton import hook, specialize
+from .skeleton import hook
 
 TICK_BITS = 36  # (count, tick) share one int64: ticks < 2**36, counts < 2**27 (``fits``)
 _TICK_MASK = (1 << TICK_BITS) - 1
@@ -20,14 +21,12 @@ def fits(prep) -> bool:
     return prep.trace.experts.size < (1 << 27)
 
 
-def run(prep, policy, parts: int, cap: int, admission: tuple) -> np.ndarray:
-    """Counts ``[2, L, 6]`` of ``policy`` (an LFU; its ``decay``) at ``cap`` slots per partition."""
-    st = (*heap.new_heap(prep.L * prep.E, parts, cap, prep.keys.shape[1]),
-          np.zeros(parts, np.int64), np.int64(cap), np.int64(policy.decay))
-    return skeleton.run(replay, prep, parts, cap, st, admission)
+def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
+    """Empty heaps for ``policy`` (an LFU: its ``decay``) at ``cap`` slots per partition."""
+    return (*heap.new_heap(nkeys, parts, cap, width), np.zeros(parts, np.int64), np.int64(cap),
+            np.int64(policy.decay))
 
 
-STATE = ("prio", "hkey", "where", "size", "todo", "ticks", "capacity", "decay")
 
 
 @hook
@@ -43,7 +42,8 @@ def _touched(p, prio, hkey, where, size, ticks, capacity, decay):
 
 
 @hook
-def on_hit(key, p, s, j, prio, hkey, where, size, todo, ticks, capacity, decay):
+def on_hit(key, p, s, j, st):
+    prio, hkey, where, size, todo, ticks, capacity, decay = st
     ticks[p] += 1
     i, base = where[key], p * capacity
     count = prio[base + i] >> TICK_BITS
@@ -53,20 +53,38 @@ def on_hit(key, p, s, j, prio, hkey, where, size, todo, ticks, capacity, decay):
 
 
 @hook
-def find_victim(p, s, stamp, prio, hkey, where, size, todo, ticks, capacity, decay):
+def find_victim(p, s, stamp, st):
+    prio, hkey, where, size, todo, ticks, capacity, decay = st
     return heap.min_unprotected(prio, hkey, stamp, s, p * capacity, size[p], todo)
 
 
 @hook
-def on_evict(key, p, prio, hkey, where, size, todo, ticks, capacity, decay):
+def on_evict(key, p, st):
+    prio, hkey, where, size, todo, ticks, capacity, decay = st
     heap.remove(prio, hkey, where, size, p, p * capacity, key)
 
 
 @hook
-def on_insert(key, p, s, j, prio, hkey, where, size, todo, ticks, capacity, decay):
+def on_insert(key, p, s, j, st):
+    prio, hkey, where, size, todo, ticks, capacity, decay = st
     ticks[p] += 1
     heap.push(prio, hkey, where, size, p, p * capacity, key, (1 << TICK_BITS) | ticks[p])
     _touched(p, prio, hkey, where, size, ticks, capacity, decay)
 
 
-replay = specialize(globals(), "lfu_replay")
+# -- entry points: the shared step with this module's hooks (skeleton.py) --------------
+@njit(cache=True, _nrt=False)
+def replay(keys, phases, L, parts, cap, st, sc, adm):
+    skeleton.replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+                    on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def step(row, s, layer, token, phase, p, cap, st, sc, adm):
+    skeleton.step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
+                  on_evict, on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def seed(keys, loaded, s, parts, num_experts, cap, st, sc):
+    skeleton.seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert)

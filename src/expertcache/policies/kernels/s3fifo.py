@@ -9,26 +9,25 @@ victim it was just given, so the promotion decision found during the search (kep
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from ...policies.s3fifo import MAX_FREQ
+from ..s3fifo import MAX_FREQ
 from .lists import append, new_lists, oldest_unprotected, remove
 from . import skeleton
-from .skeleton import hook, specialize
+from .skeleton import hook
 
 SMALL, MAIN, GHOST = 0, 1, 2   # list ``p * 3 + queue``
-STATE = ("prev", "nxt", "head", "tail", "size", "where", "freq", "promote", "capacity", "target")
 
 
-def run(prep, policy, parts: int, capacity: int, admission: tuple) -> np.ndarray:
-    """Counts ``[2, L, 6]`` of ``policy`` (an S3FIFO; its ``small_target``) at ``capacity`` slots."""
-    nkeys = prep.L * prep.E
-    st = (*new_lists(nkeys, 3 * parts), np.zeros(nkeys, np.int32), np.zeros(1, np.bool_),
-          np.int64(capacity), np.int64(policy.small_target))
-    return skeleton.run(replay, prep, parts, capacity, st, admission)
+def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
+    """Empty queues for ``policy`` (an S3FIFO: its ``small_target``) at ``cap`` slots."""
+    return (*new_lists(nkeys, 3 * parts), np.zeros(nkeys, np.int32), np.zeros(1, np.bool_),
+            np.int64(cap), np.int64(policy.small_target))
 
 
 @hook
-def on_hit(key, p, s, j, prev, nxt, head, tail, size, where, freq, promote, capacity, target):
+def on_hit(key, p, s, j, st):
+    prev, nxt, head, tail, size, where, freq, promote, capacity, target = st
     if freq[key] < MAX_FREQ:
         freq[key] += 1
 
@@ -73,7 +72,8 @@ def _victim(p, s, stamp, nxt, head, size, freq, target):
 
 
 @hook
-def find_victim(p, s, stamp, prev, nxt, head, tail, size, where, freq, promote, capacity, target):
+def find_victim(p, s, stamp, st):
+    prev, nxt, head, tail, size, where, freq, promote, capacity, target = st
     victim, promote[0] = _victim(p, s, stamp, nxt, head, size, freq, target)
     return victim
 
@@ -99,7 +99,8 @@ def _sweep_main(victim, mq, prev, nxt, head, tail, size, where, freq):
 
 
 @hook
-def on_evict(victim, p, prev, nxt, head, tail, size, where, freq, promote, capacity, target):
+def on_evict(victim, p, st):
+    prev, nxt, head, tail, size, where, freq, promote, capacity, target = st
     sq, mq, gq = 3 * p + SMALL, 3 * p + MAIN, 3 * p + GHOST
     if promote[0]:  # every key of S was hit: all of S to M (count 0), then M's sweep
         while head[sq] >= 0:
@@ -124,7 +125,8 @@ def on_evict(victim, p, prev, nxt, head, tail, size, where, freq, promote, capac
 
 
 @hook
-def on_insert(key, p, s, j, prev, nxt, head, tail, size, where, freq, promote, capacity, target):
+def on_insert(key, p, s, j, st):
+    prev, nxt, head, tail, size, where, freq, promote, capacity, target = st
     # back from the ghost -> M, else S; then G is trimmed to capacity
     sq, mq, gq = 3 * p + SMALL, 3 * p + MAIN, 3 * p + GHOST
     if where[key] == gq:
@@ -137,4 +139,19 @@ def on_insert(key, p, s, j, prev, nxt, head, tail, size, where, freq, promote, c
         remove(head[gq], gq, prev, nxt, head, tail, size, where)
 
 
-replay = specialize(globals(), "s3fifo_replay")
+# -- entry points: the shared step with this module's hooks (skeleton.py) --------------
+@njit(cache=True, _nrt=False)
+def replay(keys, phases, L, parts, cap, st, sc, adm):
+    skeleton.replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+                    on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def step(row, s, layer, token, phase, p, cap, st, sc, adm):
+    skeleton.step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
+                  on_evict, on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def seed(keys, loaded, s, parts, num_experts, cap, st, sc):
+    skeleton.seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert)

@@ -1,13 +1,12 @@
-"""Kernel of ``lru`` and ``fifo`` (policies/lru.py, fifo.py): one list per partition.
+"""LRU at every size from one pass of stack distances (plain LRU, admission always).
 
-Also LRU at every size from one pass (``lru_distances``): under step protection
-the victim is always the least recent key *outside* the step, and every key of a
-step ends at the recent end in rank order. By induction a full cache then holds
-exactly the ``C`` most recently used keys (recency = position in the flattened
-access sequence), so a key is a hit iff fewer than ``C`` distinct keys were used
-between its last use and the *start* of its step. The pass measures that distance
-for every access (Fenwick tree over positions, queries before the step's updates),
-and a histogram answers every capacity at once.
+Under step protection the victim is always the least recent key *outside* the step, and
+every key of a step ends at the recent end in rank order. By induction a full cache then
+holds exactly the ``C`` most recently used keys (recency = position in the flattened
+access sequence), so a key is a hit iff fewer than ``C`` distinct keys were used between
+its last use and the *start* of its step. The pass measures that distance for every
+access (Fenwick tree over positions, queries before the step's updates), and a histogram
+answers every capacity at once. Tested equal to the lru kernel (tests/test_sim_fast.py).
 """
 
 from __future__ import annotations
@@ -15,83 +14,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import skeleton
-from .skeleton import ACC, ALWAYS, EVICT, HIT, LOAD, MISS, hook, specialize
+from ..policies.kernels.skeleton import ACC, EVICT, HIT, LOAD, MISS
 
 
-def run(prep, policy, parts: int, cap: int, admission: tuple) -> np.ndarray:
-    """Counts ``[2, L, 6]`` of ``policy`` (an LRU or FIFO) at ``cap`` slots per partition."""
-    from ...policies.fifo import FIFO
-    nkeys = prep.L * prep.E
-    st = (np.full(nkeys, -1, np.int32), np.full(nkeys, -1, np.int32),   # links, oldest first
-          np.full(parts, -1, np.int32), np.full(parts, -1, np.int32),   # head, tail per partition
-          np.array([not isinstance(policy, FIFO)]))                     # FIFO: hits do not reorder
-    return skeleton.run(replay, prep, parts, cap, st, admission)
-
-
-def all_sizes(prep, spec, slots_list, partition: str):
-    """Plain LRU (admission always) at every size from one stack-distance pass; else None."""
-    from ...policies.fifo import FIFO
-    from ..replay import lru_all_sizes
-    if issubclass(spec.eviction_cls, FIFO) or spec.admission_cls.kernel != ALWAYS:
-        return None
-    return lru_all_sizes(prep, slots_list, partition, spec)
-
-
-# One list per partition, written out here rather than with lists.py's helpers: this is
-# the hottest kernel, and it keeps neither sizes nor list ids.
-STATE = ("prev", "nxt", "head", "tail", "recency")
-
-
-@hook
-def on_hit(key, p, s, j, prev, nxt, head, tail, recency):
-    if recency[0] and tail[p] != key:  # LRU: to the recent end (the key has a successor)
-        a, b = prev[key], nxt[key]
-        if a >= 0:
-            nxt[a] = b
-        else:
-            head[p] = b
-        prev[b] = a
-        t = tail[p]
-        prev[key], nxt[key], nxt[t], tail[p] = t, -1, key, key
-
-
-@hook
-def find_victim(p, s, stamp, prev, nxt, head, tail, recency):
-    key = head[p]
-    while key >= 0 and stamp[key] == s:
-        key = nxt[key]
-    return key
-
-
-@hook
-def on_evict(key, p, prev, nxt, head, tail, recency):
-    a, b = prev[key], nxt[key]
-    if a >= 0:
-        nxt[a] = b
-    else:
-        head[p] = b
-    if b >= 0:
-        prev[b] = a
-    else:
-        tail[p] = a
-
-
-@hook
-def on_insert(key, p, s, j, prev, nxt, head, tail, recency):
-    t = tail[p]
-    prev[key], nxt[key] = t, -1
-    if t >= 0:
-        nxt[t] = key
-    else:
-        head[p] = key
-    tail[p] = key
-
-
-replay = specialize(globals(), "lru_replay")
-
-
-# -- LRU at every capacity (stack distances) ------------------------------------
 @njit(cache=True)
 def lru_distances(keys, phases, L, E, parts):
     """Histogram of step-start LRU stack distances, and the cold-miss sequence.

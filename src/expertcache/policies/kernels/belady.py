@@ -1,0 +1,123 @@
+"""Kernel of ``belady`` (policies/belady.py): Belady's MIN with forced admission.
+
+A min-heap per partition holds each resident key under ``-(next use << 21 | (2**21 - 1
+- key))``: the farthest next use first, then the smaller key, so ties always break the
+same way. A hit re-keys the entry in place. The future is ``Future.arrays``: every key's
+use steps in order (``starts``/``uses``, a CSR table) and a cursor per key that only
+moves forward, as steps do; and, from the simulator, each access's next use in the
+layout of its rows (``nexts``), read in order when the step's key sits in that column
+(a search of ``uses`` per access made the replay 30% slower).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..belady import NEVER
+from . import heap, skeleton
+from .skeleton import hook
+
+KEY_BITS = 21                            # keys < 2**21 (checked by ``fits``)
+_KEY_MASK = (1 << KEY_BITS) - 1
+_STEP_MAX = (1 << (62 - KEY_BITS)) - 1   # stands for NEVER; real steps stay far below
+
+
+def fits(prep) -> bool:
+    return prep.L * prep.E < (1 << KEY_BITS)
+
+
+def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
+    """Empty heaps at ``cap`` slots per partition, and ``policy``'s bound future."""
+    starts, uses, rows, nexts = policy.future_arrays(nkeys)
+    return (*heap.new_heap(nkeys, parts, cap, width), starts, uses,
+            starts[:-1].copy(), rows, nexts, np.int64(cap))
+
+
+@njit(cache=True)
+def future_from_keys(keys, nkeys):
+    """``(starts, uses, nexts)`` of step keys ``[S, W]``: the steps using each key, in
+    order (a CSR table), and each access's next use (``int64 [S, W]``, or NEVER)."""
+    starts = np.zeros(nkeys + 1, np.int64)
+    for s in range(keys.shape[0]):
+        for j in range(keys.shape[1]):
+            if keys[s, j] >= 0:
+                starts[keys[s, j] + 1] += 1
+    for k in range(nkeys):
+        starts[k + 1] += starts[k]
+    fill = starts[:-1].copy()
+    uses = np.empty(starts[nkeys], np.int64)
+    for s in range(keys.shape[0]):
+        for j in range(keys.shape[1]):
+            key = keys[s, j]
+            if key >= 0:
+                uses[fill[key]] = s
+                fill[key] += 1
+    nexts = np.full(keys.shape, NEVER, np.int64)
+    seen = np.full(nkeys, NEVER, np.int64)
+    for s in range(keys.shape[0] - 1, -1, -1):
+        for j in range(keys.shape[1]):
+            key = keys[s, j]
+            if key >= 0:
+                nexts[s, j] = seen[key]
+                seen[key] = s
+    return starts, uses, nexts
+
+
+@hook
+def _prio(key, s, j, starts, uses, cursor, rows, nexts):
+    """The heap priority of ``key`` at step ``s`` (column ``j`` of its row, -1 outside a
+    step): its next use after ``s``, farthest first."""
+    if j >= 0 and s < rows.shape[0] and rows[s, j] == key:
+        next_use = nexts[s, j]
+    else:
+        i, end = cursor[key], starts[key + 1]
+        while i < end and uses[i] <= s:
+            i += 1
+        cursor[key] = i
+        next_use = uses[i] if i < end else NEVER
+    return -((min(next_use, _STEP_MAX) << KEY_BITS) | (_KEY_MASK - key))
+
+
+@hook
+def on_hit(key, p, s, j, st):
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
+    i = where[key]
+    prio[p * capacity + i] = _prio(key, s, j, starts, uses, cursor, rows, nexts)  # can only rise
+    heap.up(prio, hkey, where, p * capacity, i)
+
+
+@hook
+def find_victim(p, s, stamp, st):
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
+    return heap.min_unprotected(prio, hkey, stamp, s, p * capacity, size[p], todo)
+
+
+@hook
+def on_evict(key, p, st):
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
+    heap.remove(prio, hkey, where, size, p, p * capacity, key)
+
+
+@hook
+def on_insert(key, p, s, j, st):
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
+    heap.push(prio, hkey, where, size, p, p * capacity, key, _prio(key, s, j, starts, uses, cursor, rows, nexts))
+
+
+# -- entry points: the shared step with this module's hooks (skeleton.py) --------------
+@njit(cache=True, _nrt=False)
+def replay(keys, phases, L, parts, cap, st, sc, adm):
+    skeleton.replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+                    on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def step(row, s, layer, token, phase, p, cap, st, sc, adm):
+    skeleton.step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
+                  on_evict, on_insert)
+
+
+@njit(cache=True, _nrt=False)
+def seed(keys, loaded, s, parts, num_experts, cap, st, sc):
+    skeleton.seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert)

@@ -1,0 +1,246 @@
+"""The step every compiled policy runs, written once (numba): admission, hit, victim, insert.
+
+``SlotTable`` runs one step per call (``step``); the simulator runs a whole trace in one
+call (``replay``, the same step in a loop). Both go through a policy module's own two
+entry points, which pass its hooks in (``policies/kernels/lru.py`` ends with them).
+
+Per step its keys are protected (``stamp[key] == s``); per key, admission records the
+access, a resident key is a hit (a pinned one is not shown to the policy), a miss takes
+a free slot or the policy's victim (or is bypassed: every resident key protected, or
+admission said no), then the key is inserted. Counts go to ``int64 [2, L, 6]`` (phase,
+layer, ``stats.FIELDS``), the layout ``stats.Stats`` wraps; what happened to each key
+goes to ``out`` (``out[0, j]`` HIT / LOAD / BYPASS, ``out[1, j]`` the key it evicted or
+-1), which ``SlotTable`` turns into a ``Plan`` with slot numbers.
+
+A policy module holds its state as a tuple ``st`` of arrays and defines four hooks, the
+``EvictionPolicy`` calls, each taking ``st`` last:
+
+- ``on_hit(key, p, s, j, st)``: ``on_access`` (``p`` partition, ``s`` step, ``j`` the
+  key's column in the step's row, -1 outside a step);
+- ``find_victim(p, s, stamp, st) -> key or -1``: ``victim``, a pure query that never
+  picks a key with ``stamp[key] == s``;
+- ``on_evict(key, p, st)``: ``on_remove``;
+- ``on_insert(key, p, s, j, st)``: ``on_insert``.
+
+The hooks and this loop are ``inline="always"``: each policy's entry points compile
+into one function with no calls and (``_nrt=False``) no reference counting, which made
+the loop 3-10x faster than calls. Numba's cache keys an entry point on its own module's
+file: after editing this file, ``lists.py`` or ``heap.py``, clear the kernels'
+``__pycache__`` (a changed policy module recompiles by itself).
+
+Admission is part of the step, chosen by the rule code ``adm[0]``
+(``AdmissionPolicy.kernel``): ``ALWAYS``; ``NEVER``; ``SECOND_HIT`` keeps a ghost LRU
+list of ``ghost`` keys per partition, touched by every access; ``WINDOW`` admits a key
+used ``n_uses`` times within its layer's last ``window`` steps. Either of the last two
+only decides when the miss would evict. ``replay`` holds a copy of the loop for
+``always`` with the rule a constant (a run-time rule cost an LRU replay 15-25%) and one
+for the others; ``step``, one call per step of a live table, reads the rule at run time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+ALWAYS, SECOND_HIT, WINDOW, NEVER = 0, 1, 2, 3
+ACC, HIT, MISS, LOAD, EVICT, BYPASS = range(6)
+# out[0, j]: what happened to the step's key j (PAD: no key in that column).
+PAD, IS_HIT, IS_LOAD, IS_BYPASS = -1, 0, 1, 2
+# admission's answer for one access: NO (bypass), FREE_ONLY (only into a free slot), YES.
+NO, FREE_ONLY, YES = 0, 1, 2
+
+
+def hook(fn):
+    """Decorator for a policy's hooks: inlined into the step (no call, no refcounts)."""
+    return njit(inline="always")(fn)
+
+
+def scratch(L: int, nkeys: int, parts: int, width: int) -> tuple:
+    """The step's own arrays: counts, residency, used slots per partition, protection
+    stamps, pins and the ``out`` of one step. The loop allocates nothing itself."""
+    return (np.zeros((2, L, 6), np.int64),         # counts
+            np.zeros(nkeys, np.bool_),             # resident
+            np.zeros(parts, np.int64),             # used slots per partition
+            np.full(nkeys, -1, np.int32),          # stamp: step that last needed the key
+            np.zeros(nkeys, np.bool_),             # pinned: resident, never shown to the policy
+            np.full((2, max(width, 1)), PAD, np.int32))  # out of the latest step
+
+
+def admission_state(rule: int, nkeys: int, parts: int, ghost: int = 1, n_uses: int = 1,
+                    window: int = 1) -> tuple:
+    """``adm``: the rule code, its parameters and its arrays (sized 1 when unused)."""
+    ghosts = nkeys if rule == SECOND_HIT else 1
+    ring = nkeys if rule == WINDOW else 1
+    return (np.int64(rule), np.int64(ghost), np.int64(n_uses), np.int64(window),
+            # second-hit: a ghost LRU list per partition, oldest first
+            np.full(ghosts, -1, np.int32), np.full(ghosts, -1, np.int32),
+            np.full(parts, -1, np.int32), np.full(parts, -1, np.int32),
+            np.zeros(parts, np.int64), np.zeros(ghosts, np.bool_),
+            # window: the last n_uses use times (the layer's step count) per key, as a ring
+            np.full((ring, max(n_uses, 1)), -(1 << 40), np.int64), np.zeros(ring, np.int64))
+
+
+@njit(inline="always")
+def admission(key, p, token, adm, rule):
+    """Record one access; NO, FREE_ONLY or YES should it miss (``AdmissionPolicy``). ``rule``
+    is ``adm[0]``, passed apart so that a caller can make it a constant."""
+    _, ghost, n_uses, window_steps, gprev, gnext, ghead, gtail, gsize, in_ghost, uses, nuse = adm
+    if rule == ALWAYS:
+        return YES
+    if rule == NEVER:
+        return NO
+    if rule == SECOND_HIT:
+        ok = in_ghost[key]
+        if ok:  # unlink from the ghost list (re-appended below)
+            a, b = gprev[key], gnext[key]
+            if a >= 0:
+                gnext[a] = b
+            else:
+                ghead[p] = b
+            if b >= 0:
+                gprev[b] = a
+            else:
+                gtail[p] = a
+        else:
+            in_ghost[key] = True
+            gsize[p] += 1
+        t = gtail[p]
+        gprev[key], gnext[key] = t, -1
+        if t >= 0:
+            gnext[t] = key
+        else:
+            ghead[p] = key
+        gtail[p] = key
+        if gsize[p] > ghost:  # forget the oldest ghost
+            old = ghead[p]
+            ghead[p] = gnext[old]
+            gprev[gnext[old]] = -1  # ghost > 0, so old is not the only entry
+            in_ghost[old] = False
+            gsize[p] -= 1
+        return YES if ok else FREE_ONLY
+    n = nuse[key]  # WINDOW
+    uses[key, n % n_uses] = token
+    nuse[key] = n + 1
+    # n_uses uses within the window iff the oldest in the ring is in it
+    return YES if uses[key, (n + 1) % n_uses] > token - window_steps else FREE_ONLY
+
+
+@njit(inline="always")
+def step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, on_evict,
+         on_insert):
+    """One step of a live table: ``row`` int32 keys (-1 = none), step number ``s``, the
+    layer's own step count ``token``, partition ``p`` of ``cap`` slots. Counts into
+    ``sc``'s counts, and what happened to each key into its ``out``."""
+    _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, on_evict,
+          on_insert, adm[0], True)
+
+
+@njit(inline="always")
+def _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim, on_evict,
+          on_insert, rule, live):
+    """``step``; ``rule`` (``adm[0]``) and ``live`` are constants where ``replay`` inlines
+    this, so its loop keeps only its own rule's branch and skips what only a live table
+    needs: the per-key ``out`` and the pins (a replay has none)."""
+    counts, resident, used, stamp, pinned, out = sc
+    K = row.shape[0]
+    for j in range(K):
+        if row[j] >= 0:
+            stamp[row[j]] = s
+    acc = hit = evict = bypass = 0
+    for j in range(K):
+        key = row[j]
+        if live:
+            out[1, j] = -1
+            out[0, j] = PAD
+        if key < 0:
+            continue
+        acc += 1
+        ok = admission(key, p, token, adm, rule)
+        if resident[key]:
+            hit += 1
+            if live:
+                out[0, j] = IS_HIT
+                if pinned[key]:
+                    continue
+            on_hit(key, p, s, j, st)
+            continue
+        if live:
+            out[0, j] = IS_BYPASS
+        if used[p] < cap:
+            if ok == NO:
+                bypass += 1
+                continue
+            used[p] += 1
+        else:
+            victim = find_victim(p, s, stamp, st)
+            if victim < 0 or ok != YES:  # all protected, or admission said no
+                bypass += 1
+                continue
+            on_evict(victim, p, st)
+            resident[victim] = False
+            if live:
+                out[1, j] = victim
+            evict += 1
+        on_insert(key, p, s, j, st)
+        resident[key] = True
+        if live:
+            out[0, j] = IS_LOAD
+    c = counts[phase, layer]
+    c[ACC] += acc
+    c[HIT] += hit
+    c[MISS] += acc - hit
+    c[LOAD] += acc - hit - bypass
+    c[EVICT] += evict
+    c[BYPASS] += bypass
+
+
+@njit(inline="always")
+def replay(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict, on_insert):
+    """``step`` over every row of ``keys`` (token-major: row ``s`` is layer ``s % L``). The
+    loop is compiled twice: for admission ``always`` with the rule a constant (the other
+    rules' branches vanish: 15-25% of an LRU replay), and for any rule read at run time
+    (a copy per rule cost too much compile time for next-use)."""
+    if adm[0] == ALWAYS:
+        _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+              on_insert, ALWAYS)
+    else:
+        _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict,
+              on_insert, adm[0])
+
+
+@njit(inline="always")
+def _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evict, on_insert,
+          rule):
+    layer, token = L - 1, -1
+    for s in range(keys.shape[0]):
+        if layer == L - 1:                           # layer = s % L, token = s // L (the
+            layer, token = 0, token + 1              # layer's own step count), no division
+        else:
+            layer += 1
+        p = 0 if parts == 1 else layer
+        _step(keys[s], s, layer, token, phases[s], p, cap, st, sc, adm, on_hit, find_victim,
+              on_evict, on_insert, rule, False)
+
+
+@njit(inline="always")
+def seed(keys, loaded, s, parts, num_experts, cap, st, sc, on_insert):
+    """Preload ``keys`` into free slots (``SlotTable.seed``): inserted, not counted.
+    ``loaded[j]`` says whether key j was loaded (else it was resident or no slot was free)."""
+    resident, used = sc[1], sc[2]
+    for j in range(keys.shape[0]):
+        key = keys[j]
+        p = 0 if parts == 1 else key // num_experts
+        loaded[j] = False
+        if resident[key] or used[p] >= cap:
+            continue
+        used[p] += 1
+        on_insert(key, p, s, -1, st)
+        resident[key] = True
+        loaded[j] = True
+
+
+@njit(cache=True)
+def admit_row(row, p, token, adm, ok):
+    """Admission alone over one step's keys (for a plug-in eviction policy's table)."""
+    for j in range(row.shape[0]):
+        ok[j] = admission(row[j], p, token, adm, adm[0]) if row[j] >= 0 else NO
