@@ -24,6 +24,8 @@ class Kernel:
         nkeys = num_layers * num_experts
         self.width = num_experts  # a step never needs more keys than a layer has experts
         self.sc = skeleton.scratch(num_layers, nkeys, parts, self.width)
+        buffer = np.empty(self.width, np.int32)
+        self.rows = [buffer[:n] for n in range(self.width + 1)]  # the step's keys, by count
         self.adm = Admission(admission_cls, admission_params, nkeys, parts).adm
         self.st = None if policy.needs_future else self._state()
 
@@ -49,10 +51,10 @@ class Kernel:
         """One step over ``keys`` (unique, rank order); per key: IS_HIT / IS_LOAD / IS_BYPASS,
         and the key its load evicted (-1 none)."""
         n = len(keys)
-        self.module.step(np.array(keys, np.int32), s, layer, token, phase, p, self.cap, self.st,
-                         self.sc, self.adm)
-        out = self.sc[5]
-        return out[0, :n].tolist(), out[1, :n].tolist()
+        row = self.rows[n]      # a view kept per width: filling it beats building an array
+        row[:] = keys
+        self.module.step(row, s, layer, token, phase, p, self.cap, self.st, self.sc, self.adm)
+        return self.sc[5][:, :n].tolist()
 
     def seed(self, keys: list[int], s: int) -> list[bool]:
         """Insert ``keys`` into free slots without counting; which ones went in."""
