@@ -1,8 +1,12 @@
 """The step every compiled policy runs, written once (numba): admission, hit, victim, insert.
 
 ``SlotTable`` runs one step per call (``step``); the simulator runs a whole trace in one
-call (``replay``, the same step in a loop). Both go through a policy module's own two
-entry points, which pass its hooks in (``policies/kernels/lru.py`` ends with them).
+call (``replay``, the same step in a loop). Both go through a policy module's own
+entry points (``replay``, ``step``, ``seed``), which pass its hooks in
+(``policies/kernels/lru.py`` ends with them). Those few lines are written out in each
+module on purpose: numba caches a function by its module and name, and an entry point
+made by a factory here would be a closure, which numba's cache neither tells apart by
+its hooks nor reloads (tried: every process recompiled).
 
 Per step its keys are protected (``stamp[key] == s``); per key, admission records the
 access, a resident key is a hit (a pinned one is not shown to the policy), a miss takes
