@@ -49,8 +49,8 @@ class Future:
     def from_arrays(cls, starts: np.ndarray, uses: np.ndarray, rows: np.ndarray | None = None,
                     nexts: np.ndarray | None = None) -> Future:
         """A future already in ``arrays`` form (the simulator builds it compiled). With
-        ``rows`` (int32 [S, W], the steps' keys, -1 none) and ``nexts`` (int64 [S, W], the
-        next step using each, or NEVER), a step whose keys sit in the same columns reads
+        ``rows`` (int32 [S, W], the steps' keys, -1 none) and ``nexts`` (int32 [S, W], the
+        next step using each, or int32's maximum for never), a step whose keys sit in the same columns reads
         its next uses in order instead of searching each key's list."""
         self = cls.__new__(cls)
         self._starts, self._uses = starts, uses
@@ -67,7 +67,7 @@ class Future:
             starts = np.concatenate([starts, np.full(nkeys + 1 - len(starts), starts[-1])])
         rows, nexts = self._rows, self._nexts
         if rows is None or nexts is None:
-            rows, nexts = np.full((0, 1), -1, np.int32), np.zeros((0, 1), np.int64)
+            rows, nexts = np.full((0, 1), -1, np.int32), np.zeros((0, 1), np.int32)
         return starts[:nkeys + 1], self._uses, rows, nexts
 
     def next_use(self, key: int, now: int) -> int:

@@ -21,6 +21,7 @@ from .skeleton import hook
 KEY_BITS = 21                            # keys < 2**21 (checked by ``fits``)
 _KEY_MASK = (1 << KEY_BITS) - 1
 _STEP_MAX = (1 << (62 - KEY_BITS)) - 1   # stands for NEVER; real steps stay far below
+NEVER32 = np.iinfo(np.int32).max         # NEVER in ``nexts`` (int32: half the memory to fill)
 
 
 def fits(prep) -> bool:
@@ -37,12 +38,18 @@ def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
 @njit(cache=True)
 def future_from_keys(keys, nkeys):
     """``(starts, uses, nexts)`` of step keys ``[S, W]``: the steps using each key, in
-    order (a CSR table), and each access's next use (``int64 [S, W]``, or NEVER)."""
+    order (a CSR table), and each access's next use (``int32 [S, W]``, or NEVER32; steps
+    fit: ``replay`` refuses traces of 2**31 steps)."""
     starts = np.zeros(nkeys + 1, np.int64)
-    for s in range(keys.shape[0]):
+    nexts = np.full(keys.shape, NEVER32, np.int32)
+    seen = np.full(nkeys, NEVER32, np.int32)
+    for s in range(keys.shape[0] - 1, -1, -1):   # backwards: next uses, and use counts
         for j in range(keys.shape[1]):
-            if keys[s, j] >= 0:
-                starts[keys[s, j] + 1] += 1
+            key = keys[s, j]
+            if key >= 0:
+                nexts[s, j] = seen[key]
+                seen[key] = s
+                starts[key + 1] += 1
     for k in range(nkeys):
         starts[k + 1] += starts[k]
     fill = starts[:-1].copy()
@@ -53,14 +60,6 @@ def future_from_keys(keys, nkeys):
             if key >= 0:
                 uses[fill[key]] = s
                 fill[key] += 1
-    nexts = np.full(keys.shape, NEVER, np.int64)
-    seen = np.full(nkeys, NEVER, np.int64)
-    for s in range(keys.shape[0] - 1, -1, -1):
-        for j in range(keys.shape[1]):
-            key = keys[s, j]
-            if key >= 0:
-                nexts[s, j] = seen[key]
-                seen[key] = s
     return starts, uses, nexts
 
 
@@ -69,7 +68,7 @@ def _prio(key, s, j, starts, uses, cursor, rows, nexts):
     """The heap priority of ``key`` at step ``s`` (column ``j`` of its row, -1 outside a
     step): its next use after ``s``, farthest first."""
     if j >= 0 and s < rows.shape[0] and rows[s, j] == key:
-        next_use = nexts[s, j]
+        next_use = NEVER if nexts[s, j] == NEVER32 else np.int64(nexts[s, j])
     else:
         i, end = cursor[key], starts[key + 1]
         while i < end and uses[i] <= s:
@@ -102,7 +101,8 @@ def on_evict(key, p, st):
 @hook
 def on_insert(key, p, s, j, st):
     prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
-    heap.push(prio, hkey, where, size, p, p * capacity, key, _prio(key, s, j, starts, uses, cursor, rows, nexts))
+    prio_key = _prio(key, s, j, starts, uses, cursor, rows, nexts)
+    heap.push(prio, hkey, where, size, p, p * capacity, key, prio_key)
 
 
 # -- entry points: the shared step with this module's hooks (skeleton.py) --------------
