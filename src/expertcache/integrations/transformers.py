@@ -13,10 +13,12 @@ import torch
 from ..config import CacheConfig
 from ..loaders import load
 from ..runtime.clock import ForwardClock
+from ..runtime.cpudense import report_of
 from ..runtime.device import resolve_device
 from ..runtime.engine import ExpertCache
 from ..runtime.experts import IMPLEMENTATION, expertcache_experts_forward
 from ..runtime.host import HostExperts
+from ..runtime.threads import DecodeThreads
 
 
 def offload(model_or_path, *, config: CacheConfig | None = None, **settings):
@@ -111,6 +113,8 @@ def _attach(model: torch.nn.Module, cache: ExpertCache) -> None:
     model.register_forward_pre_hook(_phase_hook(cache), with_kwargs=True)
     cache.model = model
     ForwardClock.of(model)  # times every forward from now on: model.expertcache.report()
+    if cache.device.type == "cpu" and (cache.kernels is not None or report_of(model).kernel == "ggml"):
+        DecodeThreads.attach(model)  # ggml's pool and torch's take turns (runtime/threads.py)
 
 
 def _phase_hook(cache: ExpertCache):

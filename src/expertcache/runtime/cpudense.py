@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..quant import ggml
+from .threads import ggml_threads
 
 # Graphs for at most this many tokens are kept (decode and short prompts); longer ones
 # are built per call, which costs microseconds next to them.
 _CACHED_TOKENS = 64
-# A weight under this many bytes runs a decode step on one ggml thread: ggml's pool of
-# two contends with torch's spinning threads (runtime/cpukernel.py); bigger ones (the
-# lm_head) are read faster by every thread.
+# A weight under this many bytes runs a decode step on one ggml thread: waking the pool
+# costs more than it saves on attention-sized weights (measured: equal tok/s); bigger ones
+# (the lm_head) are read faster by every thread (runtime/threads.py).
 _ONE_THREAD_BYTES = 16 << 20
 _ONE_THREAD_TOKENS = 16
 
@@ -36,6 +37,7 @@ class _Stored(torch.nn.Module):
         super().__init__()
         self.data, self.ggml_type, self.rows, self.cols = data, ggml_type, rows, cols
         self.weight_spec = ggml.Weight(ggml_type, rows, cols, 1, data.numel())
+        self.threads = ggml_threads()  # at load: a decode forward narrows torch's count
         self._graphs: dict[int, ggml._Graph] = {}
 
     def _graph(self, n: int, build):
@@ -69,7 +71,7 @@ class GgmlLinear(_Stored):
 
     def _build(self, n: int) -> ggml.Matmul:
         small = n <= _ONE_THREAD_TOKENS and self.data.numel() < _ONE_THREAD_BYTES
-        return ggml.Matmul(self.weight_spec, n, 1 if small else torch.get_num_threads())
+        return ggml.Matmul(self.weight_spec, n, 1 if small else self.threads)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={self.ggml_type}"

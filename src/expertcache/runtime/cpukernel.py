@@ -17,14 +17,11 @@ from ..quant import ggml
 from ..quant.dequant import dequantize
 from .compute import _activate
 from .quantized import Codec, Kind, _join
+from .threads import ggml_threads
 
 # Graphs for at most this many pairs are kept (decode steps: top-k of them, a handful of
 # sizes); bigger ones (prefill) are built per call, which costs microseconds next to them.
 _CACHED_PAIRS = 64
-# Decode-sized steps run on one ggml thread: measured on 2 cores (Qwen3-MoE 1024/768, 8 Q4_K
-# experts per layer) 2.7 ms with one thread against 4-8 ms with ggml's pool of 2, whose
-# workers contend with torch's own threads; bigger steps (prefill) take torch's thread count.
-_ONE_THREAD_PAIRS = 16
 
 
 class GgmlExperts:
@@ -39,6 +36,8 @@ class GgmlExperts:
         self.first_bias = biases.get(self.first.name + "_bias")
         self.down_bias = biases.get("down_proj_bias")
         self._graphs: dict[tuple, ggml.MatmulId] = {}
+        # every step on ggml's threads: in decode torch is down to one (runtime/threads.py)
+        self.threads = ggml_threads()
 
     def forward(self, module: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
                 tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -60,13 +59,12 @@ class GgmlExperts:
                 tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """[x @ W_p[ids].T for each part p]: one graph, parts sharing the input."""
         n = x.shape[0]
-        threads = 1 if n <= _ONE_THREAD_PAIRS else torch.get_num_threads()
-        key = (parts, n, threads, *(tuple(tensors[p].shape) for p in parts))
+        key = (parts, n, *(tuple(tensors[p].shape) for p in parts))
         graph = self._graphs.get(key)
         if graph is None:
             weights = [ggml.Weight(self.part[p].fmt.ggml_type, *self.part[p].shape, tensors[p].shape[0],
                                    tensors[p].stride(0)) for p in parts]
-            graph = ggml.MatmulId(weights, n, threads)
+            graph = ggml.MatmulId(weights, n, self.threads)
             if n <= _CACHED_PAIRS:
                 self._graphs[key] = graph
         outs = [x.new_empty(n, self.part[p].shape[0]) for p in parts]  # [N, rows_p] each
