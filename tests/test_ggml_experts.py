@@ -89,7 +89,7 @@ def test_every_cpu_path_runs_ggml_within_the_tolerance(tmp_path, family, name):
         fast, cache = logits(cpu_kernel="ggml", **settings)
         pool = cache.stats().pool
         assert (pool["cpu_kernel"], cache.slot_format) == ("ggml", "quantized"), label
-        assert ggml.available()[1] in pool["cpu_kernel_reason"]  # the build that ran
+        assert "libggml-python" in pool["cpu_kernel_reason"]
         assert _rel(fast, exact) < LOGIT_TOL, label
         assert (fast.argmax(-1) == exact.argmax(-1)).float().mean() >= TOP1, label
         if first is None:
@@ -155,18 +155,3 @@ def test_ggml_is_at_least_as_close_to_llamacpp_as_the_exact_path(tmp_path, name)
             dist[kernel] = _rel(model(ids).logits[0], llama)
     assert dist["ggml"] <= dist["torch"], dist
     assert dist["ggml"] < 1e-4, dist  # llama.cpp's own kernels: float rounding apart
-
-
-def test_another_ggml_build_is_named_and_a_wrong_folder_refused(tmp_path):
-    """$EXPERTCACHE_GGML_LIB points the kernels at another ggml build (fresh processes: the
-    library loads once per process)."""
-    import os
-    import subprocess
-    import sys
-    probe = "from expertcache.quant import ggml; print(ggml.available())"
-    env = {**os.environ, ggml.LIB_ENV: str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert "False" in out.stdout and "holds no libggml-cpu.so" in out.stdout
-    env[ggml.LIB_ENV] = str(ggml._lib_dir())   # the installed build, named as another
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert "True" in out.stdout and ggml.LIB_ENV in out.stdout

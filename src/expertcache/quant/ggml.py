@@ -60,15 +60,7 @@ class _ThreadpoolParams(ctypes.Structure):
                 ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
 
 
-LIB_ENV = "EXPERTCACHE_GGML_LIB"  # a folder with another build's libggml-base.so / libggml-cpu.so
-
-
 def _lib_dir() -> Path | None:
-    """libggml-python's library folder, or the folder ``$EXPERTCACHE_GGML_LIB`` names (a ggml
-    built for this CPU, e.g. llama.cpp's ``build/bin``; same ABI as libggml-python's)."""
-    other = os.environ.get(LIB_ENV)
-    if other:
-        return Path(other) if (Path(other) / "libggml-cpu.so").exists() else None
     spec = importlib.util.find_spec("libggml")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -108,8 +100,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "EXPERTCACHE_NO_GGML is set"
     where = _lib_dir()
     if where is None:
-        if os.environ.get(LIB_ENV):
-            return None, f"${LIB_ENV} names {os.environ[LIB_ENV]}, which holds no libggml-cpu.so"
         return None, f"libggml-python is not installed ({INSTALL_HINT})"
     try:
         # base first and global: the CPU backend resolves its symbols against it
@@ -120,7 +110,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"libggml-python's libraries did not load ({err})"
     cpu.ggml_cpu_init()  # fp16 tables: needed before any kernel runs
     _LIBS[:] = [base, cpu]
-    return cpu, (f"ggml from {where} (${LIB_ENV})" if os.environ.get(LIB_ENV) else "libggml-python")
+    return cpu, "libggml-python"
 
 
 _LIBS: list[ctypes.CDLL] = []  # [base, cpu] once loaded
