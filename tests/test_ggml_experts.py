@@ -173,3 +173,16 @@ def test_ggml_is_at_least_as_close_to_llamacpp_as_the_exact_path(tmp_path, name)
             dist[kernel] = _rel(model(ids).logits[0], llama)
     assert dist["ggml"] <= dist["torch"], dist
     assert dist["ggml"] < 1e-4, dist  # llama.cpp's own kernels: float rounding apart
+
+
+def test_a_folder_without_ggml_named_by_the_env_var_says_so(tmp_path, monkeypatch):
+    """``$EXPERTCACHE_GGML_LIB`` picks the libraries; a folder without them is reported, not used."""
+    monkeypatch.setenv(ggml.LIB_ENV, str(tmp_path))
+    ggml._load.cache_clear()
+    try:
+        ok, why = ggml.available()
+        assert not ok and str(tmp_path) in why and ggml.LIB_ENV in why
+    finally:
+        monkeypatch.delenv(ggml.LIB_ENV)
+        ggml._load.cache_clear()
+        assert ggml.available()[0]

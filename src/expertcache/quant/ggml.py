@@ -60,7 +60,14 @@ class _ThreadpoolParams(ctypes.Structure):
                 ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
 
 
+LIB_ENV = "EXPERTCACHE_GGML_LIB"  # a folder holding libggml-base.so and libggml-cpu.so
+
+
 def _lib_dir() -> Path | None:
+    """Where the libraries are: ``$EXPERTCACHE_GGML_LIB`` (a native build, e.g. llama.cpp's
+    build/bin, whose CPU backend is compiled for this machine), else libggml-python's."""
+    if os.environ.get(LIB_ENV):
+        return Path(os.environ[LIB_ENV])
     spec = importlib.util.find_spec("libggml")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -101,16 +108,17 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     where = _lib_dir()
     if where is None:
         return None, f"libggml-python is not installed ({INSTALL_HINT})"
+    name = f"ggml from {where} (${LIB_ENV})" if os.environ.get(LIB_ENV) else "libggml-python"
     try:
         # base first and global: the CPU backend resolves its symbols against it
         base = ctypes.CDLL(str(where / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
         cpu = ctypes.CDLL(str(where / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
         _declare(base, cpu)
     except (OSError, AttributeError) as err:
-        return None, f"libggml-python's libraries did not load ({err})"
+        return None, f"{name}: the libraries did not load ({err})"
     cpu.ggml_cpu_init()  # fp16 tables: needed before any kernel runs
     _LIBS[:] = [base, cpu]
-    return cpu, "libggml-python"
+    return cpu, name
 
 
 _LIBS: list[ctypes.CDLL] = []  # [base, cpu] once loaded
