@@ -164,8 +164,10 @@ def main() -> int:
         for round_ in range(args.repeats):
             if llama:
                 rows[LLAMA].append(run_llama(llama, args.model, args.threads, args.tokens, Path(tmp)))
+                rows[LLAMA][-1]["load_1min"] = os.getloadavg()[0]  # the shared VM's load, with each figure
             for label, settings in configs:
                 rows[label].append(run_config(args.model, settings, args.threads, args.tokens, Path(tmp)))
+                rows[label][-1]["load_1min"] = os.getloadavg()[0]
                 print(f"round {round_ + 1} {label}: {rows[label][-1]}", flush=True)
     file_bytes = Path(args.model).stat().st_size
     result = table(rows, file_bytes)

@@ -55,6 +55,24 @@ def test_one_matmul_is_within_the_tolerance_of_the_exact_product(name):
     assert _rel(out, ref) < MATMUL_TOL
 
 
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_k_experts_per_token_read_the_token_row_or_their_own_row(per_expert):
+    """The resident path's graphs: ids [T, K]; x [T, H] read by all K experts of a token, or
+    [T, K, H] one row per pair (the down matmul)."""
+    fmt, rng = quant_format("Q4_K"), np.random.default_rng(3)
+    E, rows, cols, T, K = 4, 32, 256, 3, 2
+    q = torch.from_numpy(random_blocks("Q4_K", E * rows, cols, rng).reshape(E, -1).copy())  # [E, bytes]
+    exact = dequantize(q, fmt, (E, rows, cols), torch.float32)                             # [E, rows, cols]
+    ids = torch.tensor([[3, 0], [1, 3], [2, 2]], dtype=torch.int32)                        # [T, K]
+    x = torch.randn(T, K, cols) if per_expert else torch.randn(T, cols)
+    out = torch.empty(T, K, rows)
+    ggml.MatmulId([ggml.Weight(fmt.ggml_type, rows, cols, E, q.shape[1])], T, 1, K, per_expert)(
+        [q.data_ptr()], x.data_ptr(), ids.data_ptr(), [out.data_ptr()])
+    ref = torch.stack([torch.stack([exact[e] @ (x[t, k] if per_expert else x[t]) for k, e in enumerate(row)])
+                       for t, row in enumerate(ids.tolist())])                              # [T, K, rows]
+    assert _rel(out, ref) < MATMUL_TOL
+
+
 def test_a_slot_wider_than_the_expert_is_read_at_its_stride():
     """Slots fit the largest layer's expert (Q4_K_M mixes Q6_K in): the stride is the slot's."""
     fmt, rng = quant_format("Q4_0"), np.random.default_rng(2)
@@ -155,3 +173,16 @@ def test_ggml_is_at_least_as_close_to_llamacpp_as_the_exact_path(tmp_path, name)
             dist[kernel] = _rel(model(ids).logits[0], llama)
     assert dist["ggml"] <= dist["torch"], dist
     assert dist["ggml"] < 1e-4, dist  # llama.cpp's own kernels: float rounding apart
+
+
+def test_a_folder_without_ggml_named_by_the_env_var_says_so(tmp_path, monkeypatch):
+    """``$EXPERTCACHE_GGML_LIB`` picks the libraries; a folder without them is reported, not used."""
+    monkeypatch.setenv(ggml.LIB_ENV, str(tmp_path))
+    ggml._load.cache_clear()
+    try:
+        ok, why = ggml.available()
+        assert not ok and str(tmp_path) in why and ggml.LIB_ENV in why
+    finally:
+        monkeypatch.delenv(ggml.LIB_ENV)
+        ggml._load.cache_clear()
+        assert ggml.available()[0]

@@ -60,7 +60,14 @@ class _ThreadpoolParams(ctypes.Structure):
                 ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
 
 
+LIB_ENV = "EXPERTCACHE_GGML_LIB"  # a folder holding libggml-base.so and libggml-cpu.so
+
+
 def _lib_dir() -> Path | None:
+    """Where the libraries are: ``$EXPERTCACHE_GGML_LIB`` (a native build, e.g. llama.cpp's
+    build/bin, whose CPU backend is compiled for this machine), else libggml-python's."""
+    if os.environ.get(LIB_ENV):
+        return Path(os.environ[LIB_ENV])
     spec = importlib.util.find_spec("libggml")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -101,16 +108,17 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     where = _lib_dir()
     if where is None:
         return None, f"libggml-python is not installed ({INSTALL_HINT})"
+    name = f"ggml from {where} (${LIB_ENV})" if os.environ.get(LIB_ENV) else "libggml-python"
     try:
         # base first and global: the CPU backend resolves its symbols against it
         base = ctypes.CDLL(str(where / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
         cpu = ctypes.CDLL(str(where / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
         _declare(base, cpu)
     except (OSError, AttributeError) as err:
-        return None, f"libggml-python's libraries did not load ({err})"
+        return None, f"{name}: the libraries did not load ({err})"
     cpu.ggml_cpu_init()  # fp16 tables: needed before any kernel runs
     _LIBS[:] = [base, cpu]
-    return cpu, "libggml-python"
+    return cpu, name
 
 
 _LIBS: list[ctypes.CDLL] = []  # [base, cpu] once loaded
@@ -190,26 +198,32 @@ class _Graph:
 
 
 class MatmulId(_Graph):
-    """``out_j[p] = W_j[ids[p]] @ x[p]`` for pairs p < N and weights j sharing one input.
+    """``out_j[t, k] = W_j[ids[t, k]] @ x[t, k or 0]`` for tokens t < T, K experts each, and
+    weights j sharing one input.
 
-    Run with new pointers each time: x float32 ``[N, cols]``, ids int32 ``[N]``, each
-    ``out_j`` float32 ``[N, rows_j]``, each weight's bytes ``[n, stride]``.
+    Run with new pointers each time: ids int32 ``[T, K]``, x float32 ``[T, K, cols]``
+    (``x_per_expert``) or ``[T, cols]`` (each token's row read by its K experts, as
+    llama.cpp's first expert matmul does: no gathered copy), each ``out_j`` float32
+    ``[T, K, rows_j]``, each weight's bytes ``[n, stride]``. ``used`` = 1 is one expert
+    per row: pairs gathered by the caller.
     """
 
-    def __init__(self, weights: list[Weight], pairs: int, n_threads: int) -> None:
+    def __init__(self, weights: list[Weight], pairs: int, n_threads: int, used: int = 1,
+                 x_per_expert: bool = False) -> None:
         super().__init__(2 + 2 * len(weights))
         base = _LIBS[0]
         cols = weights[0].cols
         for w in weights:
             _check(base, w, cols)
-        self.x = base.ggml_new_tensor_3d(self._ctx, GGML_TYPE_F32, cols, 1, pairs)    # ne: [cols, 1, N]
-        self.ids = base.ggml_new_tensor_2d(self._ctx, GGML_TYPE_I32, 1, pairs)        # ne: [1, N]
+        x_rows = used if x_per_expert else 1
+        self.x = base.ggml_new_tensor_3d(self._ctx, GGML_TYPE_F32, cols, x_rows, pairs)  # ne: [cols, 1|K, T]
+        self.ids = base.ggml_new_tensor_2d(self._ctx, GGML_TYPE_I32, used, pairs)        # ne: [K, T]
         self.w, self.out = [], []
         for w in weights:
             t = base.ggml_new_tensor_3d(self._ctx, w.ggml_type, w.cols, w.rows, w.n)  # ne: [cols, rows, n]
             t.contents.nb[2] = w.stride  # a slot may be larger than this layer's expert
             self.w.append(t)
-            self.out.append(base.ggml_mul_mat_id(self._ctx, t, self.x, self.ids))   # ne: [rows, 1, N]
+            self.out.append(base.ggml_mul_mat_id(self._ctx, t, self.x, self.ids))   # ne: [rows, K, T]
         self._plan(self.out, n_threads)
 
     def __call__(self, weights: list[int], x: int, ids: int, outs: list[int]) -> None:

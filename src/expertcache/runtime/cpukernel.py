@@ -55,19 +55,41 @@ class GgmlExperts:
             out = module.post_expert_norm(out)
         return out
 
+    def routed(self, module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every (token, rank) pair at once, when each expert id is its own row of ``tensors``
+        (the host's experts, all resident): two ggml graphs and a weighted sum, no per-pair
+        Python. hidden [T, H], top_k_index [T, K], top_k_weights [T, K]; returns [T, H]."""
+        T, K = top_k_index.shape
+        ids = top_k_index.to(torch.int32).contiguous()                                # [T, K]
+        x = hidden.float().contiguous()                                               # [T, H]
+        flat = ids.reshape(-1)                                                        # [T*K]
+        proj = _join(self.first, self._matmul(self.first.parts, x, ids, tensors, used=K))  # [T*K, 2I]
+        if self.first_bias is not None:
+            proj = proj + self._bias(self.first_bias, flat, tensors)
+        act = _activate(module, proj).float().contiguous()                           # [T*K, I]
+        out = self._matmul(self.down.parts, act, ids, tensors, used=K, x_per_expert=True)[0]  # [T*K, H]
+        if self.down_bias is not None:
+            out = out + self._bias(self.down_bias, flat, tensors)
+        if getattr(module, "has_post_expert_norm", False):
+            out = module.post_expert_norm(out)
+        w = top_k_weights.to(out.dtype).unsqueeze(1)                                 # [T, 1, K]
+        return torch.bmm(w, out.view(T, K, -1)).squeeze(1).to(hidden.dtype)          # [T, H]
+
     def _matmul(self, parts: tuple[str, ...], x: torch.Tensor, ids: torch.Tensor,
-                tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """[x @ W_p[ids].T for each part p]: one graph, parts sharing the input."""
-        n = x.shape[0]
-        key = (parts, n, *(tuple(tensors[p].shape) for p in parts))
+                tensors: dict[str, torch.Tensor], used: int = 1, x_per_expert: bool = False) -> list[torch.Tensor]:
+        """[x @ W_p[ids].T for each part p]: one graph, parts sharing the input. ids [T, used]
+        (or [N] with used = 1); x [T, H], or [T*used, H] with ``x_per_expert``."""
+        n = ids.numel() // used                                                       # T
+        key = (parts, n, used, x_per_expert, *(tuple(tensors[p].shape) for p in parts))
         graph = self._graphs.get(key)
         if graph is None:
             weights = [ggml.Weight(self.part[p].fmt.ggml_type, *self.part[p].shape, tensors[p].shape[0],
                                    tensors[p].stride(0)) for p in parts]
-            graph = ggml.MatmulId(weights, n, self.threads)
-            if n <= _CACHED_PAIRS:
+            graph = ggml.MatmulId(weights, n, self.threads, used, x_per_expert)
+            if n * used <= _CACHED_PAIRS:
                 self._graphs[key] = graph
-        outs = [x.new_empty(n, self.part[p].shape[0]) for p in parts]  # [N, rows_p] each
+        outs = [x.new_empty(n * used, self.part[p].shape[0]) for p in parts]  # [T*used, rows_p] each
         graph([tensors[p].data_ptr() for p in parts], x.data_ptr(), ids.data_ptr(),
               [o.data_ptr() for o in outs])
         return outs

@@ -41,9 +41,9 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     phase = cache.phase if cache.phase is not None else (PREFILL if len(idx_rows) > 1 else DECODE)
     plan = cache.table.step(layer, list(dict.fromkeys(chain.from_iterable(idx_rows))), phase)
     base, host, pool = layer * cache.num_experts, cache.hosts[layer], cache.pool
-    if cache.host_resident:  # every expert computed from the host's bytes by ggml (no slots, no loads)
-        used = {key - base: key - base for key in plan.hits}
-        return ggml_experts(cache.kernels[layer], module, hidden, top_k_weights, idx_rows, used, host.tensors)
+    if cache.host_resident:  # every expert is its own row of the host's bytes: no slots, no loads,
+        # no per-pair lookup (the plan above only counts the hits)
+        return cache.kernels[layer].routed(module, hidden, top_k_index, top_k_weights, host.tensors)
     for key, slot in plan.loads.items():  # the table now counts these resident: always copy
         cache.h2d[phase][layer] += pool.load(slot, host, key - base)
 
