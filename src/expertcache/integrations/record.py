@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime.clock import new_tokens
 from ..stats import PREFILL
 from ..trace.format import Trace, save_trace
 
@@ -89,10 +90,7 @@ def _capture(index_rows: list, weight_rows: list, logit_rows: list | None):
 
 def _phase_capture(phases: list):
     def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        n = ids.shape[1]
+        n = new_tokens(args, kwargs) or 1
         phases.append(np.full(n, 0 if n > 1 else 1, dtype=np.uint8))
     return hook
 

@@ -12,7 +12,7 @@ import torch
 
 from ..config import CacheConfig
 from ..loaders import load
-from ..runtime.clock import ForwardClock
+from ..runtime.clock import ForwardClock, new_tokens
 from ..runtime.cpudense import report_of
 from ..runtime.device import resolve_device
 from ..runtime.engine import ExpertCache
@@ -120,8 +120,5 @@ def _attach(model: torch.nn.Module, cache: ExpertCache) -> None:
 def _phase_hook(cache: ExpertCache):
     """Tell the cache whether this forward is prefill (several new tokens) or decode (one)."""
     def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        cache.set_phase(ids.shape[1] if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else None)
+        cache.set_phase(new_tokens(args, kwargs))
     return hook

@@ -20,6 +20,15 @@ import torch
 from ..stats import DECODE
 
 
+def new_tokens(args: tuple, kwargs: dict) -> int | None:
+    """New tokens in a model forward (``input_ids`` or ``inputs_embeds`` ``[B, T, ...]``, as
+    a forward pre-hook sees them), or None when neither is a batched tensor."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    return ids.shape[1] if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else None
+
+
 class ForwardClock:
     def __init__(self, model) -> None:
         self.model = model
@@ -44,10 +53,7 @@ class ForwardClock:
         self._restart = True
 
     def _before(self, module, args, kwargs) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        new = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else 1
+        new = new_tokens(args, kwargs) or 1
         if self._restart or new > 1:
             self._restart = False
             self.prompt_tokens = new

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .clock import new_tokens
+
 DECODE_TOKENS = 16   # forwards of at most this many new tokens run torch on one thread
 
 
@@ -42,11 +44,8 @@ class DecodeThreads:
         return split
 
     def _before(self, module, args, kwargs) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        new = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else 1
-        if new <= DECODE_TOKENS and self._saved is None and torch.get_num_threads() > 1:
+        decode = (new_tokens(args, kwargs) or 1) <= DECODE_TOKENS
+        if decode and self._saved is None and torch.get_num_threads() > 1:
             self._saved = torch.get_num_threads()
             torch.set_num_threads(1)
 
