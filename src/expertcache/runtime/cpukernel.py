@@ -40,17 +40,20 @@ class GgmlExperts:
         self.threads = ggml_threads()
 
     def forward(self, module: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
-                tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Experts' outputs for N pairs: x [N, H] (any float dtype), ids [N] int32 rows of
-        ``tensors`` (part -> [n, stride] uint8). Returns [N, H] float32."""
+                tensors: dict[str, torch.Tensor], used: int = 1) -> torch.Tensor:
+        """Experts' outputs for their pairs: ids int32 rows of ``tensors`` (part -> [n, stride]
+        uint8), [N] (one expert per row of x [N, H]) or [T, used] (x [T, H], each token's row
+        read by its ``used`` experts: no gathered copy). x any float dtype. Returns
+        [N or T*used, H] float32."""
         x = x.float().contiguous()
-        proj = _join(self.first, self._matmul(self.first.parts, x, ids, tensors))   # [N, 2I]
+        flat = ids.reshape(-1)                                                        # [P] pairs
+        proj = _join(self.first, self._matmul(self.first.parts, x, ids, tensors, used))  # [P, 2I]
         if self.first_bias is not None:
-            proj = proj + self._bias(self.first_bias, ids, tensors)
-        act = _activate(module, proj).float().contiguous()                           # [N, I]
-        out = self._matmul(self.down.parts, act, ids, tensors)[0]                    # [N, H]
+            proj = proj + self._bias(self.first_bias, flat, tensors)
+        act = _activate(module, proj).float().contiguous()                           # [P, I]
+        out = self._matmul(self.down.parts, act, ids, tensors, used, x_per_expert=True)[0]  # [P, H]
         if self.down_bias is not None:
-            out = out + self._bias(self.down_bias, ids, tensors)
+            out = out + self._bias(self.down_bias, flat, tensors)
         if getattr(module, "has_post_expert_norm", False):
             out = module.post_expert_norm(out)
         return out
@@ -62,17 +65,7 @@ class GgmlExperts:
         Python. hidden [T, H], top_k_index [T, K], top_k_weights [T, K]; returns [T, H]."""
         T, K = top_k_index.shape
         ids = top_k_index.to(torch.int32).contiguous()                                # [T, K]
-        x = hidden.float().contiguous()                                               # [T, H]
-        flat = ids.reshape(-1)                                                        # [T*K]
-        proj = _join(self.first, self._matmul(self.first.parts, x, ids, tensors, used=K))  # [T*K, 2I]
-        if self.first_bias is not None:
-            proj = proj + self._bias(self.first_bias, flat, tensors)
-        act = _activate(module, proj).float().contiguous()                           # [T*K, I]
-        out = self._matmul(self.down.parts, act, ids, tensors, used=K, x_per_expert=True)[0]  # [T*K, H]
-        if self.down_bias is not None:
-            out = out + self._bias(self.down_bias, flat, tensors)
-        if getattr(module, "has_post_expert_norm", False):
-            out = module.post_expert_norm(out)
+        out = self.forward(module, hidden, ids, tensors, used=K)                      # [T*K, H]
         w = top_k_weights.to(out.dtype).unsqueeze(1)                                 # [T, 1, K]
         return torch.bmm(w, out.view(T, K, -1)).squeeze(1).to(hidden.dtype)          # [T, H]
 
