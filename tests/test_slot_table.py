@@ -282,3 +282,70 @@ def test_policies_as_names_specs_or_instances_plan_alike():
         SlotTable(2, 8, 6, eviction=make_eviction("lru", 6), eviction_params={"x": 1})
     with pytest.raises(ValueError, match="one partition's state"):
         SlotTable(2, 8, 6, eviction=make_eviction("lfru", 3), partition="per-layer")
+
+
+@pytest.mark.parametrize("admission,slots,partition", [("always", 16, "global"), ("always", 16, "per-layer"),
+                                                        ("always", 40, "global"), ("never", 4, "global"),
+                                                        ("never", 8, "per-layer")])
+def test_a_table_that_never_evicts_plans_as_a_policy_would(admission, slots, partition):
+    # Every key fits (admission 'always') or nothing is cached ('never'): the table skips the
+    # compiled kernel (no numba loaded) and must plan exactly as a real policy does.
+    import random
+
+    from expertcache.policies import registry
+    from expertcache.policies.base import EvictionPolicy
+    from expertcache.policies.registry import register
+
+    class Lru(EvictionPolicy):
+        name = "test-never-evicts-lru"
+
+        def __init__(self, capacity, **params):
+            super().__init__(capacity)
+            self.order = {}
+
+        def on_insert(self, key, now):
+            self.order[key] = None
+
+        def on_access(self, key, now):
+            self.order[key] = self.order.pop(key)
+
+        def on_remove(self, key):
+            del self.order[key]
+
+        def victim(self, protected):
+            return next((k for k in self.order if k not in protected), None)
+
+    register(Lru)
+    try:
+        pinned = [] if admission == "never" else [3]
+        lean = SlotTable(2, 8, slots, eviction="next-use", admission=admission, partition=partition,
+                         pinned=pinned)
+        real = SlotTable(2, 8, slots, eviction=Lru.name, admission=admission, partition=partition,
+                         pinned=pinned)
+        assert lean.kernel is None and lean.eviction_name == "next-use"
+        assert lean.seed([0, 9]).loads == real.seed([0, 9]).loads
+        rng = random.Random(2)
+        for i in range(300):
+            layer, experts = rng.randrange(2), rng.sample(range(8), rng.randint(1, 4))
+            phase = "prefill" if i % 7 == 0 else "decode"
+            a, b = lean.step(layer, experts, phase), real.step(layer, experts, phase)
+            assert (a.hits, a.loads, a.evictions, a.bypasses) == (b.hits, b.loads, b.evictions, b.bypasses)
+        assert lean.stats().to_dict() == real.stats().to_dict()
+        assert lean.stats().total().hits > 0 or admission == "never"
+    finally:
+        registry._EVICTION.pop(Lru.name)
+
+
+def test_a_table_that_never_evicts_loads_no_numba():
+    # A resident run's table (about 100 MB of numba and LLVM, and their start-up time, for
+    # nothing) and a table with a choice to make, which must load the compiled kernel.
+    import subprocess
+    import sys
+
+    code = ("import sys; from expertcache import SlotTable; "
+            "t = SlotTable(4, 8, 32, eviction='next-use'); t.seed(range(32)); t.step(1, [2, 3]); "
+            "u = SlotTable(4, 8, 8, admission='never'); u.step(0, [1]); "
+            "print('numba' in sys.modules); "
+            "v = SlotTable(4, 8, 31, eviction='next-use'); v.step(0, [1]); print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]

@@ -14,6 +14,7 @@ import operator
 from collections.abc import Iterable, Sequence
 
 from .keys import ExpertKey
+from .policies.admission import Always, Never
 from .policies.base import AdmissionPolicy, EvictionPolicy
 from .policies.kernels import compiled
 from .policies.registry import PolicySpec, make_admission, make_eviction
@@ -48,14 +49,44 @@ class _Partition:
 
     __slots__ = ("start", "capacity", "free", "policy", "record", "admit")
 
-    def __init__(self, start: int, capacity: int, policy=None, admission=None) -> None:
+    def __init__(self, start: int, capacity: int, policy=None, admission=None, admit=None) -> None:
         self.start, self.capacity = start, capacity
         self.free = list(range(start + capacity - 1, start - 1, -1))  # pop() gives lowest first
         self.policy = policy
         # A plug-in admission policy's calls; None where they can be skipped (records
         # nothing / admits all) or where admission is a built-in rule (compiled).
         self.record = admission.record if admission is not None and admission.records else None
-        self.admit = None if admission is None else admission.admit
+        self.admit = admit if admission is None else admission.admit
+
+
+class _NoChoice(EvictionPolicy):
+    """Stands in for a built-in policy in a table that can never evict (``_never_chooses``):
+    it keeps no state and is never asked for a victim."""
+
+    name = "none"
+
+    def on_insert(self, key: int, now: int) -> None:
+        pass
+
+    def on_access(self, key: int, now: int) -> None:
+        pass
+
+    def on_remove(self, key: int) -> None:
+        pass
+
+    def victim(self, protected) -> None:
+        return None
+
+
+def _refuse(key: int, victim: int | None) -> bool:
+    return False  # admission 'never'
+
+
+def _never_chooses(admission: AdmissionPolicy, shares: list[tuple[int, int]], keys: int) -> bool:
+    """Whether no step can need an eviction policy's choice: admission 'never' (nothing is
+    cached), or 'always' with a slot for every key a partition can be given."""
+    return type(admission) is Never or (type(admission) is Always and
+                                         shares[0][1] * len(shares) >= keys)
 
 
 class SlotTable:
@@ -95,7 +126,13 @@ class SlotTable:
             policies[i] = policy
         self.needs_future = policies[0].needs_future
         self._kernel = self._admission = None
-        if compiled(type(policies[0])):  # built-in: the compiled step
+        if compiled(type(policies[0])) and _never_chooses(adm_policy, shares, num_layers * num_experts):
+            # No step can ask the policy anything (every key fits, or nothing is cached): plain
+            # lookups, without loading the compiled kernels (numba and LLVM: about 100 MB and
+            # their load time, for a resident or copy-every-pass run)
+            admit = _refuse if type(adm_policy) is Never else None
+            self._parts = [_Partition(start, cap, _NoChoice(cap), admit=admit) for start, cap in shares]
+        elif compiled(type(policies[0])):  # built-in: the compiled step
             if not compiled(type(adm_policy)):
                 raise ValueError(f"admission policy {adm_policy.name!r} is a plug-in: it runs with "
                                  f"plug-in eviction policies only, and {policies[0].name!r} is a "
@@ -186,7 +223,8 @@ class SlotTable:
     @property
     def kernel(self):
         """The compiled state of a built-in policy (``policies.kernels.table.Kernel``: its
-        module and arrays, read-only by contract), or None for a plug-in. For checks and
+        module and arrays, read-only by contract), or None for a plug-in and for a table
+        that never evicts (``_never_chooses``). For checks and
         research code that read a policy's state without patching the table."""
         return self._kernel
 
