@@ -3,7 +3,8 @@
 Every configuration runs in its own process (its peak RSS is the child's ``ru_maxrss``),
 and the configurations are interleaved over ``--repeats`` rounds, so that load from other
 processes hits all of them alike; the table shows the best round of each (llama-bench's
-threads spin-wait and suffer most from a busy machine), the JSON every round.
+threads spin-wait and suffer most from a busy machine) and each round's ratio to llama.cpp in
+that round, the JSON every round.
 
     python benchmarks/bench_cpu.py /work/refs/cpu-model/model-Q4_K_M.gguf \\
         --llama-bench /work/refs/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-bench \\
@@ -56,6 +57,19 @@ def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
     start = time.perf_counter()
     m = expertcache.offload(model, device="cpu", **settings)
     load_s = time.perf_counter() - start
+    decode_s = decode(m, tokens)
+    pool = m.expertcache.stats().pool
+    return {"tok_s": tokens / decode_s, "load_s": load_s, "cpu_kernel": pool["cpu_kernel"],
+            "dense_kernel": pool["dense_kernel"],
+            "slot_format": pool["slot_format"], "slots": m.expertcache.pool.slots,
+            "host_resident": pool["host_resident"]}
+
+
+def decode(m, tokens: int, before=None) -> float:
+    """Seconds for ``tokens`` greedy single-token forwards after an 8-token prompt and 4
+    warm-up tokens; ``before()`` is called right before the timed ones."""
+    import torch
+
     ids = torch.arange(100, 108).unsqueeze(0)                     # [1, 8] prompt
     with torch.no_grad():
         out = m(ids, use_cache=True)
@@ -68,15 +82,12 @@ def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
 
         for _ in range(4):
             step()
+        if before is not None:
+            before()
         start = time.perf_counter()
         for _ in range(tokens):
             step()
-        decode_s = time.perf_counter() - start
-    pool = m.expertcache.stats().pool
-    return {"tok_s": tokens / decode_s, "load_s": load_s, "cpu_kernel": pool["cpu_kernel"],
-            "dense_kernel": pool["dense_kernel"],
-            "slot_format": pool["slot_format"], "slots": m.expertcache.pool.slots,
-            "host_resident": pool["host_resident"]}
+        return time.perf_counter() - start
 
 
 def _run(cmd: list[str], out_path: Path) -> tuple[int, int]:
@@ -116,8 +127,15 @@ def table(rows: dict[str, list[dict]], file_bytes: int) -> list[dict]:
     out = []
     for label, r in best.items():
         out.append({"config": label, **r, "vs_llama": r["tok_s"] / ref if ref and "tok_s" in r else None,
+                    "vs_llama_rounds": _round_ratios(rows[label], rows.get(LLAMA, [])),
                     "rss_vs_file": r["peak_rss"] / file_bytes if "peak_rss" in r else None})
     return out
+
+
+def _round_ratios(runs: list[dict], llama: list[dict]) -> list[float | None]:
+    """tok/s over llama.cpp's in the same round: load from other processes hits a round's
+    runs alike, so these swing less than the ratio of the best rounds."""
+    return [r["tok_s"] / ref["tok_s"] if "tok_s" in r and "tok_s" in ref else None for r, ref in zip(runs, llama)]
 
 
 def plot(result: list[dict], path: Path, title: str) -> None:
@@ -173,13 +191,15 @@ def main() -> int:
     result = table(rows, file_bytes)
     print(f"\n{Path(args.model).name} ({file_bytes / 2 ** 20:.0f} MiB), {args.threads} threads, "
           f"{args.tokens} decode tokens, best of {args.repeats} interleaved rounds")
-    print(f"{'configuration':34} {'tok/s':>8} {'x llama':>8} {'peak RSS':>10} {'x file':>7}")
+    print(f"{'configuration':34} {'tok/s':>8} {'x llama':>8} {'per round':>16} {'peak RSS':>10} {'x file':>7}")
     for r in result:
         if "tok_s" not in r:
             print(f"{r['config']:34} {r.get('error')}")
             continue
         vs = f"{r['vs_llama']:.3f}" if r["vs_llama"] is not None else "-"
-        print(f"{r['config']:34} {r['tok_s']:8.1f} {vs:>8} {r['peak_rss'] / 2 ** 30:9.2f}G {r['rss_vs_file']:7.2f}")
+        per = "/".join(f"{x:.2f}" for x in r["vs_llama_rounds"] if x is not None) or "-"
+        print(f"{r['config']:34} {r['tok_s']:8.1f} {vs:>8} {per:>16} {r['peak_rss'] / 2 ** 30:9.2f}G "
+              f"{r['rss_vs_file']:7.2f}")
     if args.json:
         doc = {"model": str(args.model), "file_bytes": file_bytes, "threads": args.threads, "tokens": args.tokens,
                "repeats": args.repeats, "table": result, "rounds": rows}
