@@ -117,6 +117,34 @@ def test_every_cpu_path_runs_ggml_within_the_tolerance(tmp_path, family, name):
             assert _rel(fast, first) < 1e-5, label
 
 
+def test_steps_wholly_on_the_host_take_the_routed_pass(tmp_path, monkeypatch):
+    # resident and baseline cpu compute every pair from the host's bytes: one routed pass per
+    # step, never the per-pair gather; CPU slots mix slot hits with host misses (per pair).
+    from expertcache.runtime import cpukernel, experts
+
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0")
+    ids = torch.randint(0, 260, (1, 12), generator=torch.Generator().manual_seed(4))
+    calls = {"routed": 0, "pairs": 0}
+    routed, pairs = cpukernel.GgmlExperts.routed, experts.ggml_experts
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(cpukernel.GgmlExperts, "routed", count("routed", routed))
+    monkeypatch.setattr(experts, "ggml_experts", count("pairs", pairs))
+    for settings, per_pair in [(dict(baseline="resident"), False), (dict(baseline="cpu"), False),
+                               (dict(slots=5, miss="cpu"), True)]:
+        model = expertcache.offload(path, device="cpu", cpu_kernel="ggml", **settings)
+        calls.update(routed=0, pairs=0)
+        with torch.no_grad():
+            model(ids)
+            model(ids[:, :1])  # a decode-sized step too
+        assert calls["routed"] > 0 and (calls["pairs"] > 0) == per_pair, (settings, calls)
+
+
 def test_auto_is_ggml_and_torch_stays_exact(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0")
     ids = torch.tensor([[5, 9, 200, 31]])

@@ -37,7 +37,8 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
              top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     # T tokens, K top-k, H hidden, E experts of this layer, S pool slots (cache + staging)
     want_acts = cache.miss != "fetch"
-    idx_rows, hidden_h, weights_h = _to_host(top_k_index, hidden, top_k_weights, want_acts)
+    idx_h, hidden_h, weights_h = _to_host(top_k_index, hidden, top_k_weights, want_acts)
+    idx_rows = idx_h.tolist()
     phase = cache.phase if cache.phase is not None else (PREFILL if len(idx_rows) > 1 else DECODE)
     plan = cache.table.step(layer, list(dict.fromkeys(chain.from_iterable(idx_rows))), phase)
     base, host, pool = layer * cache.num_experts, cache.hosts[layer], cache.pool
@@ -61,14 +62,18 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     out = _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights,
                          idx_rows, on_device, staged)
     if on_cpu:  # runs on the host while the device works through the rounds queued above
-        pairs = defaultdict(list)
-        for t, row in enumerate(idx_rows):
-            for k, e in enumerate(row):
-                pairs[e].append((t, k))
-        if cache.kernels is not None:
+        if cache.kernels is not None and not on_device and not staged:
+            # every pair of the step on the host's bytes (baseline cpu, a step of misses): the
+            # routed pass, no per-pair Python
+            y = cache.kernels[layer].routed(module, hidden_h, idx_h, weights_h, host.tensors)
+        elif cache.kernels is not None:
             y = ggml_experts(cache.kernels[layer], module, hidden_h, weights_h, idx_rows,
                              {e: e for e in on_cpu}, host.tensors)
         else:
+            pairs = defaultdict(list)
+            for t, row in enumerate(idx_rows):
+                for k, e in enumerate(row):
+                    pairs[e].append((t, k))
             y = cpu_experts(module, host, on_cpu, pairs, hidden_h, weights_h)
         y = y.pin_memory().to(hidden.device, non_blocking=True) if pool.cuda else y.to(hidden.device)
         out = y if out is None else out + y
@@ -134,10 +139,10 @@ def _slot_index(mapping: dict[int, int], num_experts: int, size: int,
 
 
 def _to_host(top_k_index: torch.Tensor, hidden: torch.Tensor, weights: torch.Tensor, want_acts: bool):
-    """Router choices as Python rows (+ activations for the CPU path), with one sync at most."""
+    """Router choices [T, K] on the host (+ activations for the CPU path), with one sync at most."""
     if top_k_index.device.type != "cuda":
-        return top_k_index.tolist(), hidden, weights
+        return top_k_index, hidden, weights
     moved = [t.to("cpu", non_blocking=True) for t in ((top_k_index, hidden, weights) if want_acts
                                                       else (top_k_index,))]
     torch.cuda.current_stream(top_k_index.device).synchronize()  # the one D2H sync of this step
-    return moved[0].tolist(), *(moved[1:] if want_acts else (None, None))
+    return moved[0], *(moved[1:] if want_acts else (None, None))
