@@ -109,3 +109,23 @@ def test_tied_embeddings_compute_the_lm_head_on_the_embedding_bytes(tmp_path, mo
     assert model.config.tie_word_embeddings and isinstance(model.lm_head, GgmlLinear)
     assert model.lm_head.data is model.model.embed_tokens.data
     assert _rel(logits["ggml"], logits["torch"]) < LOGIT_TOL
+
+
+def test_a_linear_reads_any_input_layout_and_refuses_a_wrong_width():
+    # float32 contiguous inputs are read in place (the decode path); others are copied first
+    from expertcache.quant.formats import quant_format
+    from quant_fixtures import random_blocks
+
+    fmt = quant_format("Q8_0")
+    data = torch.from_numpy(random_blocks("Q8_0", 48, 64, np.random.default_rng(0)).reshape(-1).copy())
+    linear = GgmlLinear(data, fmt.ggml_type, 48, 64, bias=False)
+    x = torch.randn(2, 3, 64)
+    ref = linear(x)                                                               # [2, 3, 48]
+    assert ref.shape == (2, 3, 48) and ref.dtype == torch.float32
+    strided = torch.randn(64, 3, 2).permute(2, 1, 0)                              # [2, 3, 64], not contiguous
+    strided.copy_(x)
+    assert torch.equal(linear(strided), ref)
+    half = linear(x.bfloat16())
+    assert half.dtype == torch.bfloat16 and _rel(half.float(), ref) < 0.02
+    with pytest.raises(ValueError, match="input of 32 features for a linear of 64"):
+        linear(torch.randn(1, 32))

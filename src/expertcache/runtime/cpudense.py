@@ -61,13 +61,17 @@ class GgmlLinear(_Stored):
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.cols).float().contiguous()                     # [N, in]
-        n = flat.shape[0]
-        out = flat.new_empty(n, self.rows)                                        # [N, out]
+        # x [..., in] is read as [N, in] in place when float32 and contiguous (decode: no
+        # copies, few torch calls; 25 of these run per token)
+        if x.shape[-1] != self.cols:
+            raise ValueError(f"input of {x.shape[-1]} features for a linear of {self.cols} ({tuple(x.shape)})")
+        flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        n = flat.numel() // self.cols
+        out = torch.empty(*x.shape[:-1], self.rows)                               # [..., out]
         self._graph(n, self._build)(self.data.data_ptr(), flat.data_ptr(), out.data_ptr())
         if self.bias is not None:
             out += self.bias
-        return out.reshape(*x.shape[:-1], self.rows).to(x.dtype)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def _build(self, n: int) -> ggml.Matmul:
         small = n <= _ONE_THREAD_TOKENS and self.data.numel() < _ONE_THREAD_BYTES
