@@ -24,11 +24,16 @@ ggml builds (``--lib NAME=FOLDER``, each in its own process through ``$EXPERTCAC
 alternating over ``--rounds`` as bench_ggml_libs.py does): libggml-python always, plus e.g.
 ggml-python's (built at its install) and llama.cpp's native one (llama-cpp-python's vendor
 tree). Each build's outputs are first compared with libggml-python's; one that differs is not
-timed.
+timed. Settings after the folder go to that build's process: llama.cpp's ggml (0.25.3) takes a
+tiled K-quant kernel from 8 rows per expert on, which ``GGML_CPU_TILED_MM=0`` turns off.
+
+Every ggml call reads another copy of the expert (64 MiB of copies in turn), so no way finds
+its weights in cache; the torch ways read theirs after the others have evicted them.
 
     flock /tmp/bench.lock python benchmarks/bench_cpu_kernels.py --repeats 10 --rounds 3 \\
         --lib ggml-python=/work/refs/ggmlpy-venv/lib/python3.11/site-packages/ggml/lib \\
         --lib llama.cpp=/work/refs/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin \\
+        --lib "llama.cpp untiled=/work/refs/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin,GGML_CPU_TILED_MM=0" \\
         --json benchmarks/results/cpu_kernels.json
 """
 
@@ -60,6 +65,7 @@ TYPES = ("Q4_K", "Q6_K", "Q8_0", "MXFP4")
 TOKENS = (1, 8)
 # llama.cpp's tensor_type_fallback (src/llama-quant.cpp) when a row is not whole blocks
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+ROTATE_BYTES = 64 << 20  # 8x this VM's L3 (lscpu: 8 MiB), 2x an EPYC CCD's 32 MiB
 SAME_TOL = 1e-3  # max |a - b| / max |b| for two ggml builds to count as computing the same
 GGML_WAY = "ggml (libggml-python)"
 
@@ -108,8 +114,13 @@ class Expert:
         self.shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
         with np.load(path) as z:
             self.q = {k: torch.from_numpy(z[k].copy()) for k in self.shapes}                  # [1, bytes]
-        spec = {k: ggml.Weight(self.fmt.ggml_type, *self.shapes[k], 1, self.q[k].shape[1]) for k in self.shapes}
-        self.spec = spec
+        # ggml reads copies in turn, as many as fill ROTATE_BYTES: else a process timing only
+        # ggml finds a small expert (2.6 MB of Q4_K) still in cache from the last call, while
+        # the interleaved ways of table 1 read theirs from memory
+        self.copies = max(2, -(-ROTATE_BYTES // sum(q.numel() for q in self.q.values())))
+        self.qn = {k: q.expand(self.copies, -1).contiguous() for k, q in self.q.items()}     # [copies, bytes]
+        self.spec = {k: ggml.Weight(self.fmt.ggml_type, *self.shapes[k], self.copies, self.q[k].shape[1])
+                     for k in self.shapes}
         if not torch_ways:
             return
         self.f = {k: self.dequant(k) for k in self.shapes}                                     # [rows, cols]
@@ -147,15 +158,17 @@ def ggml_way(e: Expert, tokens: int):
     """The expert through ggml: [gate, up] sharing x in one graph, down in a second."""
     first = ggml.MatmulId([e.spec["gate"], e.spec["up"]], tokens, 1)
     down = ggml.MatmulId([e.spec["down"]], tokens, 1, 1, True)
-    ids = torch.zeros(tokens, 1, dtype=torch.int32)                                            # [T, 1]
+    # every token to one copy (the expert), the next call to the next copy
+    ids = [torch.full((tokens, 1), j, dtype=torch.int32) for j in range(e.copies)]            # [T, 1] each
+    turn = iter(range(1 << 62))
     I = e.shapes["gate"][0]
     gate, up, out = torch.empty(tokens, I), torch.empty(tokens, I), torch.empty(tokens, e.H)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        first([e.q["gate"].data_ptr(), e.q["up"].data_ptr()], x.data_ptr(), ids.data_ptr(),
-              [gate.data_ptr(), up.data_ptr()])
+        j = ids[next(turn) % e.copies].data_ptr()
+        first([e.qn["gate"].data_ptr(), e.qn["up"].data_ptr()], x.data_ptr(), j, [gate.data_ptr(), up.data_ptr()])
         act = (torch.nn.functional.silu(gate) * up).contiguous()                               # [T, I]
-        down([e.q["down"].data_ptr()], act.data_ptr(), ids.data_ptr(), [out.data_ptr()])
+        down([e.qn["down"].data_ptr()], act.data_ptr(), j, [out.data_ptr()])
         return out
     return run
 
@@ -212,7 +225,7 @@ def torch_table(todo: list[dict], folder: Path, repeats: int, int4_group: int,
                     err[k] = f"{type(exc).__name__}: {exc}".splitlines()[0]
             ok = {k: fn for k, fn in fns.items() if not isinstance(err[k], str)}
             ms = {k: s * 1e3 for k, s in time_interleaved(ok, x, repeats).items()}
-            rows.append({**cell, "tokens": tokens, "ms": ms, "rel_err_vs_float32": err,
+            rows.append({**cell, "tokens": tokens, "ggml_copies": e.copies, "ms": ms, "rel_err_vs_float32": err,
                          "load_1min": os.getloadavg()[0]})
             print(f"{cell['size']:14} {cell['label']:16} {tokens} tok  "
                   + "  ".join(f"{k}: {v:.3f}" for k, v in ms.items()), flush=True)
@@ -241,10 +254,13 @@ def child(todo: list[dict], folder: Path, repeats: int, verify: str | None) -> d
 
 
 def spawn(where: str | None, args: list[str]) -> dict:
-    """Run this script's child with ``$EXPERTCACHE_GGML_LIB`` = where (None: libggml-python)."""
+    """Run this script's child with ``$EXPERTCACHE_GGML_LIB`` = where (None: libggml-python);
+    ``where`` may go on with ``,VAR=VALUE`` settings for that process (a ggml switch)."""
     env = {k: v for k, v in os.environ.items() if k != ggml.LIB_ENV}
     if where:
-        env[ggml.LIB_ENV] = where
+        folder, *settings = where.split(",")
+        env[ggml.LIB_ENV] = folder
+        env.update(s.split("=", 1) for s in settings)
     proc = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -285,7 +301,7 @@ def lib_table(todo: list[dict], folder: Path, libs: dict, repeats: int, rounds: 
     return result
 
 
-def markdown(rows: list[dict], libs: dict | None) -> str:
+def markdown(rows: list[dict], libs: dict | None, labels: dict) -> str:
     """The tables as docs/cpu.md shows them (ms per expert)."""
     names = list(rows[0]["ms"]) if rows else []
     lines = ["| size | type | tokens | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
@@ -301,7 +317,7 @@ def markdown(rows: list[dict], libs: dict | None) -> str:
             ref = libs[base]["ms"][key]
             cells_ = [f"{libs[n]['ms'][key]:.2f}" + ("" if n == base else f" ({libs[n]['ms'][key] / ref:.2f}x)")
                       for n in timed]
-            lines.append(f"| {size} | {typ} | {tokens} | " + " | ".join(cells_) + " |")
+            lines.append(f"| {size} | {labels[size, typ]} | {tokens} | " + " | ".join(cells_) + " |")
     return "\n".join(lines)
 
 
@@ -314,8 +330,9 @@ def main() -> int:
     p.add_argument("--int4-group", type=int, default=32, help="32 (ggml's block), 64, 128 or 256")
     p.add_argument("--packed-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="activations and scales of the int8/int4 packed ways")
-    p.add_argument("--lib", action="append", default=[], metavar="NAME=FOLDER",
-                   help="another ggml build (libggml-base.so, libggml-cpu.so) to time; repeatable")
+    p.add_argument("--lib", action="append", default=[], metavar="NAME=FOLDER[,VAR=VALUE...]",
+                   help="another ggml build (libggml-base.so, libggml-cpu.so) to time, with settings "
+                        "for its process if any; repeatable")
     p.add_argument("--no-torch", action="store_true", help="only the ggml builds")
     p.add_argument("--json", help="write every figure here (e.g. benchmarks/results/cpu_kernels.json)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -342,7 +359,7 @@ def main() -> int:
             base = ["--data", tmp, "--sizes", args.sizes, "--types", args.types]
             libs = lib_table(todo, folder, {"libggml-python": None, **extra}, args.repeats, args.rounds, base)
     load.append(os.getloadavg())
-    table = markdown(rows, libs)
+    table = markdown(rows, libs, {(c["size"], c["type"]): c["label"] for c in todo})
     print(table)
     if args.json:
         out = {"sizes": {s: SIZES[s] for s in args.sizes.split(",")}, "threads": 1, "repeats": args.repeats,
