@@ -22,18 +22,19 @@ against the float32 way.
 
 ggml builds (``--lib NAME=FOLDER``, each in its own process through ``$EXPERTCACHE_GGML_LIB``,
 alternating over ``--rounds`` as bench_ggml_libs.py does): libggml-python always, plus e.g.
-ggml-python's (built at its install) and llama.cpp's native one (llama-cpp-python's vendor
-tree). Each build's outputs are first compared with libggml-python's; one that differs is not
-timed. Settings after the folder go to that build's process: llama.cpp's ggml (0.25.3) takes a
+ggml-python's (built at its install), llama-cpp-python's (its wheel bundles llama.cpp's ggml,
+built at its install) and a native llama.cpp build. Each build's outputs are first compared
+with libggml-python's; one that differs is not timed. Settings after the folder go to that build's process: llama.cpp's ggml (0.25.3) takes a
 tiled K-quant kernel from 8 rows per expert on, which ``GGML_CPU_TILED_MM=0`` turns off.
 
 Every ggml call reads another copy of the expert (64 MiB of copies in turn), so no way finds
 its weights in cache; the torch ways read theirs after the others have evicted them.
 
-    flock /tmp/bench.lock python benchmarks/bench_cpu_kernels.py --repeats 10 --rounds 3 \\
+    L=/work/refs/llamacpp-venv/lib/python3.11/site-packages/llama_cpp/lib
+    flock /tmp/bench.lock python benchmarks/bench_cpu_kernels.py --repeats 10 --rounds 4 \\
         --lib ggml-python=/work/refs/ggmlpy-venv/lib/python3.11/site-packages/ggml/lib \\
+        --lib llama-cpp-python=$L --lib "llama-cpp-python untiled=$L,GGML_CPU_TILED_MM=0" \\
         --lib llama.cpp=/work/refs/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin \\
-        --lib "llama.cpp untiled=/work/refs/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin,GGML_CPU_TILED_MM=0" \\
         --json benchmarks/results/cpu_kernels.json
 """
 
