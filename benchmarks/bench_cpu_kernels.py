@@ -16,7 +16,7 @@ Ways (one process, interleaved call by call):
 - torch ``_weight_int4pack_mm_for_cpu`` on 4-bit weights (groups of ``--int4-group`` with
   scale and zero) repacked once by ``_convert_weight_to_int4pack_for_cpu``.
 The int8 and int4 ways take bfloat16 activations and scales (``--packed-dtype``): that is
-their fast path; with float32 ones torch runs a generic loop 5-45x slower. They requantize
+their fast path; with float32 ones torch runs a generic loop 4-40x slower. They requantize
 the float weights and lose ggml's block scales, so each cell also records every way's error
 against the float32 way.
 
@@ -126,7 +126,8 @@ class Expert:
             return
         self.f = {k: self.dequant(k) for k in self.shapes}                                     # [rows, cols]
         # the packed kernels' fast paths want bfloat16 activations and scales: with float32
-        # (or float16) both fall to a generic loop, 5-45x slower on this CPU (--packed-dtype)
+        # (or float16) both fall to a generic loop, 4-40x slower on this CPU (--packed-dtype,
+        # results/cpu_kernels_packed_float32.json)
         self.packed_dtype = packed_dtype
         scale = {k: w.abs().amax(1) / 127 for k, w in self.f.items()}
         self.int8 = {k: (w / scale[k][:, None]).round().to(torch.int8) for k, w in self.f.items()}
