@@ -81,6 +81,9 @@ def test_probe_measures_the_cpu_and_keeps_unmeasured_fields():
     if "h2d_gbps" not in report["measured"]:  # no CUDA here: taken from the base preset
         assert hw.h2d_gbps == PRESETS["h200"].h2d_gbps
     assert 0.1 < cpu_mem_gbps(0.02, mib=16) < 10_000
+    from expertcache.quant import ggml
+
+    assert ("cpu_quant_gflops" in report["measured"]) == ggml.available()[0]
 
 
 def test_expert_cost_from_meta_argument_or_preset():
@@ -110,3 +113,31 @@ def test_quantized_experts_pay_dequantization_where_the_format_says():
                           transfer_latency_s=0, device_dequant_gelems=0.5)
     slow = miss_times(q4k, cpu_device, "quantized")
     assert slow["hit"] == pytest.approx(per_load["hit"] + params / 0.5e9)
+
+
+def test_a_ggml_miss_of_several_tokens_runs_at_the_quantized_rate():
+    from dataclasses import replace
+
+    params = 3 * 2048 * 768
+    q4k = ExpertCost(3 * 768 * 2048 // 256 * 144, 2.0 * params, compute_bytes=2 * params)
+    probed = replace(HW, cpu_quant_gflops=25.0)
+    flops = 8 * 2.0 * params
+    assert miss_times(q4k, probed, tokens=8, ggml=True)["cpu"] == pytest.approx(flops / 25e9)
+    assert miss_times(q4k, HW, tokens=8, ggml=True)["cpu"] == pytest.approx(flops / 100e9)  # unprobed
+    # torch's path dequantizes, then multiplies in float: cpu_gflops, plus the dequantization
+    torch_path = miss_times(q4k, probed, tokens=8)["cpu"]
+    assert torch_path == pytest.approx(flops / 100e9 + params / (HW.cpu_dequant_gelems * 1e9))
+    with pytest.raises(ValueError, match="cpu_quant_gflops must be a positive number or null"):
+        replace(HW, cpu_quant_gflops=0)
+
+
+def test_probe_measures_ggml_where_it_is_installed():
+    from expertcache.costmodel.hardware import ggml_rate
+    from expertcache.quant import ggml
+
+    rate = ggml_rate(0.05, rows=256, cols=512)
+    if not ggml.available()[0]:
+        assert rate == {}
+        return
+    # an 8-token Q8_0 matmul on any CPU of this decade: well above 0.1 GFLOP/s, below a PFLOP/s
+    assert 0.1 < rate["cpu_quant_gflops"] < 1e6

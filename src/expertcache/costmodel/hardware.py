@@ -77,6 +77,7 @@ def probe(base: str = DEFAULT, seconds: float = 0.5) -> tuple[Hardware, dict]:
     """
     ref = load_hardware(base)
     measured = {"cpu_gflops": cpu_gflops(seconds), "cpu_mem_gbps": cpu_mem_gbps(seconds)}
+    measured.update(ggml_rate(seconds))
     measured.update(gpu_rates(seconds))
     values = {**asdict(ref), **measured, "name": "probed",
               "source": f"expertcache probe; unmeasured fields from preset {ref.name}"}
@@ -87,6 +88,29 @@ def cpu_gflops(seconds: float = 0.5, n: int = 1024) -> float:
     """float32 matmul rate of numpy's BLAS (2 n^3 FLOPs per product)."""
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     return 2 * n ** 3 / _best_time(lambda: a @ a, seconds) / 1e9
+
+
+def ggml_rate(seconds: float = 0.5, rows: int = 2048, cols: int = 2048, tokens: int = 8) -> dict[str, float]:
+    """``{"cpu_quant_gflops": ...}``: ggml's Q8_0 matmul on ``tokens`` rows (what a CPU miss of
+    several tokens runs with ``cpu_kernel='ggml'``), on every core as the numpy figures;
+    {} without ggml (``pip install 'expertcache[ggml]'``)."""
+    import os
+
+    from ..quant import ggml
+    from ..quant.formats import quant_format
+
+    if not ggml.available()[0]:
+        return {}
+    # Q8_0 blocks of 32 weights: a float16 scale, then 32 int8 (34 bytes); any values will do
+    rng = np.random.default_rng(0)
+    blocks = np.empty((rows * cols // 32, 34), dtype=np.uint8)
+    blocks[:, :2] = np.full(len(blocks), 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = rng.integers(-127, 128, (len(blocks), 32), dtype=np.int8).view(np.uint8)
+    x = rng.standard_normal((tokens, cols), dtype=np.float32)
+    out = np.empty((tokens, rows), dtype=np.float32)
+    graph = ggml.Matmul(ggml.Weight(quant_format("Q8_0").ggml_type, rows, cols, 1, blocks.nbytes), tokens, os.cpu_count() or 1)
+    seconds_per = _best_time(lambda: graph(blocks.ctypes.data, x.ctypes.data, out.ctypes.data), seconds)
+    return {"cpu_quant_gflops": 2 * rows * cols * tokens / seconds_per / 1e9}
 
 
 def cpu_mem_gbps(seconds: float = 0.5, mib: int = 256) -> float:

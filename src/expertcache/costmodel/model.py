@@ -5,7 +5,8 @@
     t_dense  = dense_bytes / gpu_mem            (attention, router, shared experts)
     t_hit    = compute_bytes / gpu_mem          (batch-1 expert matmul is memory bound)
     t_fetch  = latency + expert_bytes / h2d + t_hit      (copy over PCIe, then compute)
-    t_cpu    = max(expert_bytes / cpu_mem, expert_flops / cpu_flops)
+    t_cpu    = max(expert_bytes / cpu_mem, tokens * expert_flops / cpu_flops)
+                                                (cpu_flops: ggml's quantized rate where probed)
     t_miss   = t_fetch | t_cpu | min(t_fetch, t_cpu)     (miss path fetch | cpu | auto)
 
 Quantized experts (``compute_bytes`` > ``expert_bytes``: the dequantized expert is
@@ -43,6 +44,10 @@ class Hardware:
     # device dequantization, G weights/s; None: memory bound at gpu_mem_gbps (a GPU). A CPU
     # "device" (benchmarks on the host) is compute bound: the bench measures and sets it.
     device_dequant_gelems: float | None = None
+    # ggml's quantized matmul on the CPU (activations quantized to 8 bits, integer dots),
+    # GFLOP/s: what a CPU miss of several tokens costs with ggml (docs/cpu.md: 2-4x below a
+    # float32 BLAS matmul on the same cores). None: cpu_gflops (presets; probe measures it)
+    cpu_quant_gflops: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -51,6 +56,10 @@ class Hardware:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"hardware {self.name!r}: {field} must be a positive number, "
                                  f"got {value!r}")
+        rate = self.cpu_quant_gflops
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
+            raise ValueError(f"hardware {self.name!r}: cpu_quant_gflops must be a positive number or "
+                             f"null, got {rate!r}")
         for field in ("transfer_latency_s", "layer_overhead_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"hardware {self.name!r}: {field} must not be negative")
@@ -100,7 +109,8 @@ def miss_times(model: ExpertCost, hw: Hardware, slot_format: str = "dequantized"
              + (dequant if slot_format == "dequantized" else 0.0))
     cpu = model.expert_bytes / (hw.cpu_mem_gbps * GB)
     if model.expert_flops:
-        cpu = max(cpu, tokens * model.expert_flops / (hw.cpu_gflops * 1e9))
+        on_ggml = ggml and model.quantized and hw.cpu_quant_gflops is not None
+        cpu = max(cpu, tokens * model.expert_flops / ((hw.cpu_quant_gflops if on_ggml else hw.cpu_gflops) * 1e9))
         if model.quantized and not ggml:
             cpu += model.expert_flops / 2 / (hw.cpu_dequant_gelems * 1e9)
     return {"hit": hit, "fetch": fetch, "cpu": cpu}
