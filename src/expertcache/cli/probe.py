@@ -9,7 +9,8 @@ from .paths import check_output
 
 DESCRIPTION = ("Measure this machine for the cost model: CPU matmul rate and host memory "
                "bandwidth (numpy), ggml's quantized matmul rate where expertcache[ggml] is installed, "
-               "and with CUDA the pinned host-to-device and device memory bandwidth (torch). What cannot be measured here comes from the --base preset. "
+               "and with CUDA the pinned host-to-device and device memory bandwidth (torch). "
+               "What cannot be measured here comes from the --base preset. "
                "Prints the profile as JSON; 'sim --hardware FILE' and 'bench --hardware FILE' read it.")
 
 
