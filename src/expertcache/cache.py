@@ -224,8 +224,8 @@ class SlotTable:
     def kernel(self):
         """The compiled state of a built-in policy (``policies.kernels.table.Kernel``: its
         module and arrays, read-only by contract), or None for a plug-in and for a table
-        that never evicts (``_never_chooses``). For checks and
-        research code that read a policy's state without patching the table."""
+        that never evicts (``_never_chooses``). For checks and research code that read a
+        policy's state without patching the table."""
         return self._kernel
 
     def stats(self) -> Stats:

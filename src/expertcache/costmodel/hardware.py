@@ -108,7 +108,8 @@ def ggml_rate(seconds: float = 0.5, rows: int = 2048, cols: int = 2048, tokens: 
     blocks[:, 2:] = rng.integers(-127, 128, (len(blocks), 32), dtype=np.int8).view(np.uint8)
     x = rng.standard_normal((tokens, cols), dtype=np.float32)
     out = np.empty((tokens, rows), dtype=np.float32)
-    graph = ggml.Matmul(ggml.Weight(quant_format("Q8_0").ggml_type, rows, cols, 1, blocks.nbytes), tokens, os.cpu_count() or 1)
+    weight = ggml.Weight(quant_format("Q8_0").ggml_type, rows, cols, 1, blocks.nbytes)
+    graph = ggml.Matmul(weight, tokens, os.cpu_count() or 1)
     seconds_per = _best_time(lambda: graph(blocks.ctypes.data, x.ctypes.data, out.ctypes.data), seconds)
     return {"cpu_quant_gflops": 2 * rows * cols * tokens / seconds_per / 1e9}
 

@@ -110,7 +110,8 @@ def miss_times(model: ExpertCost, hw: Hardware, slot_format: str = "dequantized"
     cpu = model.expert_bytes / (hw.cpu_mem_gbps * GB)
     if model.expert_flops:
         on_ggml = ggml and model.quantized and hw.cpu_quant_gflops is not None
-        cpu = max(cpu, tokens * model.expert_flops / ((hw.cpu_quant_gflops if on_ggml else hw.cpu_gflops) * 1e9))
+        rate = hw.cpu_quant_gflops if on_ggml else hw.cpu_gflops
+        cpu = max(cpu, tokens * model.expert_flops / (rate * 1e9))
         if model.quantized and not ggml:
             cpu += model.expert_flops / 2 / (hw.cpu_dequant_gelems * 1e9)
     return {"hit": hit, "fetch": fetch, "cpu": cpu}
