@@ -212,10 +212,17 @@ def load_gguf_tokenizer(path: Path):
 
     header = read_header(path)
     first = header.paths[0]
-    # AutoTokenizer reads the config through transformers' gpt-oss mapping, which crashes in 5.24
-    cls = PreTrainedTokenizerFast if header.arch == "gpt-oss" else AutoTokenizer
+    # Given a gguf_file, AutoTokenizer builds the model config with load_gguf_checkpoint only to
+    # pick the tokenizer class from its model_type: a second full GGUFReader parse (~15 s on a
+    # Qwen3-MoE file). tokenizer_type names that model_type, so AutoTokenizer takes the class from
+    # its own table; the tokenizer itself is still converted by transformers from the file.
+    # GPT-OSS: AutoTokenizer's config goes through transformers' gpt-oss mapping, which crashes.
+    if header.arch == "gpt-oss":
+        cls, kwargs = PreTrainedTokenizerFast, {}
+    else:
+        cls, kwargs = AutoTokenizer, {"tokenizer_type": header.model_type}
     try:
-        return cls.from_pretrained(first.parent, gguf_file=first.name)
+        return cls.from_pretrained(first.parent, gguf_file=first.name, **kwargs)
     except (KeyError, ValueError, OSError) as err:
         raise ValueError(f"{path}: no usable tokenizer in the GGUF metadata (tokenizer.ggml.*: {err}); "
                          "use a GGUF converted with its tokenizer") from None
