@@ -1,7 +1,7 @@
 """A GGUF MoE model's header: architecture, shapes and expert tensors, without loading weights.
 
 Torch-free: ``plan``, ``sim --model`` and ``loaders/gguf.py`` share it. ``reader.py`` parses
-the header (tensor data is not read; gguf-py's ``GGUFReader`` took ~12 s on a real
+the header (tensor data is not read; gguf-py's ``GGUFReader`` took ~11 s on a real
 vocabulary, see there). Split models (``name-00001-of-00003.gguf``) are read part by part;
 every part must be there.
 Expert tensors are ``blk.N.ffn_{gate,up,down}_exps.weight`` (or a fused
