@@ -1,8 +1,9 @@
 """A GGUF MoE model's header: architecture, shapes and expert tensors, without loading weights.
 
-Torch-free: ``plan``, ``sim --model`` and ``loaders/gguf.py`` share it. gguf-py's ``GGUFReader``
-parses the file (it memory-maps it; tensor data is not read). Split models
-(``name-00001-of-00003.gguf``) are read part by part; every part must be there.
+Torch-free: ``plan``, ``sim --model`` and ``loaders/gguf.py`` share it. ``reader.py`` parses
+the header (tensor data is not read; gguf-py's ``GGUFReader`` took ~11 s on a real
+vocabulary, see there). Split models (``name-00001-of-00003.gguf``) are read part by part;
+every part must be there.
 Expert tensors are ``blk.N.ffn_{gate,up,down}_exps.weight`` (or a fused
 ``ffn_gate_up_exps``; GPT-OSS adds ``.bias``), numpy order ``[E, rows, cols]``: one
 expert's bytes of one tensor are one contiguous slice (CONTEXT.md, section 6).
@@ -15,12 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..quant.formats import QuantFormat, check_supported, quant_format
+from .reader import read_gguf
 
 # GGUF architecture -> transformers model_type: the MoE architectures transformers reads from GGUF
 SUPPORTED_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
-_VOCAB_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                 "tokenizer.ggml.scores"}
+# the vocabulary: by far the largest metadata, and not needed to run the model (the tokenizer
+# reads it from the file itself)
+VOCAB_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                          "tokenizer.ggml.scores"})
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -159,35 +163,22 @@ def split_parts(path: Path) -> tuple[Path, ...]:
 
 
 def _read_one(path: Path) -> tuple[dict, dict[str, TensorRef]]:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, OSError, KeyError) as err:
+    try:  # the vocabulary arrays are large and not needed here: stepped over, not decoded
+        gfile = read_gguf(path, skip=VOCAB_ARRAYS)
+    except OSError as err:
         raise ValueError(f"{path}: not a readable GGUF file ({err}); it may be truncated or not GGUF "
                          "at all: download it again") from None
-    # the vocabulary arrays are large and not needed here: skip them
-    metadata = {name: _value(f) for name, f in reader.fields.items() if name not in _VOCAB_ARRAYS}
+    metadata = {name: f.value for name, f in gfile.fields.items() if name not in VOCAB_ARRAYS}
     size = path.stat().st_size
     refs = {}
-    for t in reader.tensors:
+    for t in gfile.tensors:
         end = t.data_offset + t.n_bytes
         if end > size:
             raise ValueError(f"{path}: truncated: tensor {t.name} ends at byte {end} but the file has "
                              f"{size} bytes; download it again")
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-        refs[t.name] = TensorRef(t.name, path, int(t.data_offset), int(t.n_bytes), shape,
-                                 quant_format(int(t.tensor_type)))
+        shape = tuple(reversed(t.shape))  # GGUF lists dims innermost first
+        refs[t.name] = TensorRef(t.name, path, t.data_offset, t.n_bytes, shape, quant_format(int(t.tensor_type)))
     return metadata, refs
-
-
-def _value(f):
-    """A metadata field's value: a scalar, a string, or a list (arrays)."""
-    try:
-        values = f.contents()
-    except (AttributeError, ValueError, IndexError):
-        return None
-    return values
 
 
 def _expert_tensors(tensors: dict[str, TensorRef]) -> dict[int, dict[str, TensorRef]]:

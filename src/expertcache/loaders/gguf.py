@@ -13,13 +13,16 @@ weights the transformers experts module computes with.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.constants import Keys
 
 from ..config import CacheConfig
-from ..ggufmodel.header import _EXPERT, GgufModel, TensorRef, read_header
+from ..ggufmodel.header import _EXPERT, VOCAB_ARRAYS, GgufModel, TensorRef, read_header
+from ..ggufmodel.reader import read_gguf, write_metadata_only
 from ..quant.dequant import dequantize
 from ..runtime.device import compute_dtype
 from ..runtime.host import file_bytes, host_mode
@@ -74,12 +77,11 @@ def expert_codec(layer: dict[str, TensorRef], arch: str, dtype: torch.dtype) -> 
 def _hf_config(header: GgufModel):
     """transformers' config mapping, corrected by the tensor shapes it does not read."""
     from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     if header.arch == "gpt-oss":  # transformers 5.24 crashes reading gpt-oss rope metadata
         values = _gpt_oss_values(header)
     else:
-        values = dict(load_gguf_checkpoint(str(header.paths[0]), return_tensors=False)["config"])
+        values = transformers_config(header.paths[0])  # less tie_word_embeddings: set below
     # transformers 5.24 ignores expert_feed_forward_length (and the shared expert's size)
     if header.model_type == "gpt_oss":
         values["intermediate_size"] = header.expert_ff
@@ -95,6 +97,44 @@ def _hf_config(header: GgufModel):
         values["vocab_size"] = embed.shape[0]
     values.pop("model_type", None)
     return AutoConfig.for_model(header.model_type, **values)
+
+
+def transformers_config(path: Path) -> dict:
+    """``load_gguf_checkpoint(path)["config"]`` less ``tie_word_embeddings``: transformers' own
+    mapping, run on a copy of the file's metadata without the vocabulary arrays.
+
+    ``load_gguf_checkpoint`` parses every field with gguf-py's GGUFReader, element by element,
+    the vocabulary too (14.3 s on a 731 MiB Qwen3-MoE file), though the config uses only its length.
+    Of the tensors it only asks which exist: output.weight, for tie_word_embeddings (left out
+    here: ``_hf_config`` sets it from the tensors), and stablelm's biases (not an architecture
+    run here). So it gets a tiny GGUF: the metadata entries copied byte for byte
+    (``write_metadata_only``), no tensors and, where the file has no ``{arch}.vocab_size``, that
+    key set to the number of tokens: what transformers falls back to (``vocab_size =
+    len(tokens)``), and without it it would log a warning. A temporary file, since the function
+    takes a path.
+    """
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    source = read_gguf(path, skip=VOCAB_ARRAYS)
+    if not source.raw:  # read through gguf-py (big-endian, other versions): no bytes to copy
+        values = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+    else:
+        with tempfile.TemporaryDirectory(prefix="expertcache-gguf-") as tmp:
+            copy = write_metadata_only(source, Path(tmp) / path.name, drop=VOCAB_ARRAYS,
+                                       extra_uint32=_vocab_size_stand_in(source))
+            values = dict(load_gguf_checkpoint(str(copy), return_tensors=False)["config"])
+    values.pop("tie_word_embeddings", None)  # the copy has no tensors, so it would say True
+    return values
+
+
+def _vocab_size_stand_in(source) -> dict[str, int]:
+    """``{arch}.vocab_size`` set to the token count, unless the file states it (transformers then uses that)."""
+    tokens = source.fields.get("tokenizer.ggml.tokens")
+    arch = source.fields.get("general.architecture")
+    if tokens is None or arch is None:
+        return {}
+    key = Keys.LLM.VOCAB_SIZE.format(arch=arch.value)
+    return {} if key in source.fields else {key: tokens.count}
 
 
 def _gpt_oss_values(header: GgufModel) -> dict:
@@ -172,10 +212,17 @@ def load_gguf_tokenizer(path: Path):
 
     header = read_header(path)
     first = header.paths[0]
-    # AutoTokenizer reads the config through transformers' gpt-oss mapping, which crashes in 5.24
-    cls = PreTrainedTokenizerFast if header.arch == "gpt-oss" else AutoTokenizer
+    # Given a gguf_file, AutoTokenizer builds the model config with load_gguf_checkpoint only to
+    # pick the tokenizer class from its model_type: a full GGUFReader parse (14.3 s on a 731 MiB
+    # Qwen3-MoE file). tokenizer_type names that model_type, so AutoTokenizer takes the class from
+    # its own table; the tokenizer itself is still converted by transformers from the file.
+    # GPT-OSS: AutoTokenizer's config goes through transformers' gpt-oss mapping, which crashes.
+    if header.arch == "gpt-oss":
+        cls, kwargs = PreTrainedTokenizerFast, {}
+    else:
+        cls, kwargs = AutoTokenizer, {"tokenizer_type": header.model_type}
     try:
-        return cls.from_pretrained(first.parent, gguf_file=first.name)
+        return cls.from_pretrained(first.parent, gguf_file=first.name, **kwargs)
     except (KeyError, ValueError, OSError) as err:
         raise ValueError(f"{path}: no usable tokenizer in the GGUF metadata (tokenizer.ggml.*: {err}); "
                          "use a GGUF converted with its tokenizer") from None
