@@ -134,22 +134,15 @@ def test_num_layers_and_experts_must_be_positive():
         SlotTable(2, 2.5, 8)
 
 
-@pytest.mark.parametrize("name", ["lru", "fifo"])
-def test_compiled_and_plugin_paths_give_the_same_plans(name):
-    kind = name
-    # Built-ins run compiled, plug-ins through their Python methods (the key-only hook
-    # shortcut is gone with the Python LRU). The same LRU / FIFO written as a plug-in must
-    # give the same plans, step for step, pins included.
-    import random
+def _python_policy(name: str, reorder: bool):
+    """A registered plug-in LRU (``reorder``: a hit moves the key to the back) or FIFO, written
+    in Python: the reference the compiled and the lookup-only tables are checked against."""
     from collections import OrderedDict
 
-    from expertcache.policies import registry
     from expertcache.policies.base import EvictionPolicy
     from expertcache.policies.registry import register
 
     class Slow(EvictionPolicy):
-        name = f"test-slow-{kind}"
-
         def __init__(self, capacity, **params):
             super().__init__(capacity)
             self.order = OrderedDict()
@@ -158,7 +151,7 @@ def test_compiled_and_plugin_paths_give_the_same_plans(name):
             self.order[key] = None
 
         def on_access(self, key, now):
-            if kind == "lru":
+            if reorder:
                 self.order.move_to_end(key)
 
         def on_remove(self, key):
@@ -167,7 +160,21 @@ def test_compiled_and_plugin_paths_give_the_same_plans(name):
         def victim(self, protected):
             return next((k for k in self.order if k not in protected), None)
 
+    Slow.name = name
     register(Slow)
+    return Slow
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo"])
+def test_compiled_and_plugin_paths_give_the_same_plans(name):
+    # Built-ins run compiled, plug-ins through their Python methods (the key-only hook
+    # shortcut is gone with the Python LRU). The same LRU / FIFO written as a plug-in must
+    # give the same plans, step for step, pins included.
+    import random
+
+    from expertcache.policies import registry
+
+    Slow = _python_policy(f"test-slow-{name}", reorder=name == "lru")
     try:
         fast = SlotTable(2, 8, 5, eviction=name, pinned=[3])
         slow = SlotTable(2, 8, 5, eviction=Slow.name, pinned=[3])
@@ -293,29 +300,8 @@ def test_a_table_that_never_evicts_plans_as_a_policy_would(admission, slots, par
     import random
 
     from expertcache.policies import registry
-    from expertcache.policies.base import EvictionPolicy
-    from expertcache.policies.registry import register
 
-    class Lru(EvictionPolicy):
-        name = "test-never-evicts-lru"
-
-        def __init__(self, capacity, **params):
-            super().__init__(capacity)
-            self.order = {}
-
-        def on_insert(self, key, now):
-            self.order[key] = None
-
-        def on_access(self, key, now):
-            self.order[key] = self.order.pop(key)
-
-        def on_remove(self, key):
-            del self.order[key]
-
-        def victim(self, protected):
-            return next((k for k in self.order if k not in protected), None)
-
-    register(Lru)
+    Lru = _python_policy("test-never-evicts-lru", reorder=True)
     try:
         pinned = [] if admission == "never" else [3]
         lean = SlotTable(2, 8, slots, eviction="next-use", admission=admission, partition=partition,
