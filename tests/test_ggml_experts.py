@@ -145,6 +145,31 @@ def test_steps_wholly_on_the_host_take_the_routed_pass(tmp_path, monkeypatch):
         assert calls["routed"] > 0 and (calls["pairs"] > 0) == per_pair, (settings, calls)
 
 
+@pytest.mark.parametrize("family,fused", [("qwen3_moe", True), ("qwen2_moe", True), ("gpt_oss", False)])
+def test_a_silu_gated_layer_runs_its_whole_mlp_in_one_graph(tmp_path, family, fused):
+    # SiluMlpId (gate, up, silu * up, down in one ggml graph) must equal the two graphs with
+    # the module's own activation between them; GPT-OSS's clamped gate keeps the latter. The
+    # choice leans on transformers' _default_apply_gate and SiLUActivation: pinned here.
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    path = write_gguf(tmp_path / "m.gguf", family, "MXFP4" if family == "gpt_oss" else "Q4_K")
+    model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="ggml")
+    cache, module = model.expertcache, next(m for _, m in model.named_modules() if hasattr(m, "_expertcache"))
+    kernel, host = cache.kernels[0], cache.hosts[0]
+    assert kernel._silu_gate(module) is fused
+    if fused:
+        assert type(module)._apply_gate is _default_apply_gate and isinstance(module.act_fn, SiLUActivation)
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, kernel.part[kernel.down.parts[0]].shape[0], generator=gen)   # [3, H]
+    ids = torch.stack([torch.randperm(cache.num_experts, generator=gen)[:cache.top_k] for _ in range(3)])
+    weights = torch.rand(3, cache.top_k, generator=gen)
+    one = kernel.routed(module, hidden, ids, weights, host.tensors)                      # [3, H]
+    kernel._fusable = False
+    two = kernel.routed(module, hidden, ids, weights, host.tensors)
+    assert _rel(one, two) < 1e-6
+
+
 def test_auto_is_ggml_and_torch_stays_exact(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0")
     ids = torch.tensor([[5, 9, 200, 31]])

@@ -82,6 +82,7 @@ def _declare(base: ctypes.CDLL, cpu: ctypes.CDLL) -> None:
             (base, "ggml_new_tensor_2d", T, [P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
             (base, "ggml_new_tensor_1d", T, [P, ctypes.c_int, ctypes.c_int64]),
             (base, "ggml_mul_mat_id", T, [P, T, T, T]), (base, "ggml_mul_mat", T, [P, T, T]),
+            (base, "ggml_silu", T, [P, T]), (base, "ggml_mul", T, [P, T, T]),
             (base, "ggml_get_rows", T, [P, T, T]),
             (base, "ggml_new_graph", P, [P]), (base, "ggml_build_forward_expand", None, [P, T]),
             (base, "ggml_tensor_overhead", ctypes.c_size_t, []),
@@ -233,6 +234,51 @@ class MatmulId(_Graph):
         for t, ptr in zip(self.out, outs):
             t.contents.data = ptr
         self.x.contents.data, self.ids.contents.data = x, ids
+        self._run()
+
+
+class SiluMlpId(_Graph):
+    """A SiLU-gated expert MLP in one graph, as llama.cpp's ``build_moe_ffn`` runs it:
+    ``out[t, k] = D[e] @ (silu(G[e] @ x[t]) * (U[e] @ x[t]))`` with ``e = ids[t, k]``, so ggml's
+    pool wakes once a layer and no torch op runs between the matmuls.
+
+    Run with new pointers: x float32 ``[T, cols]``, ids int32 ``[T, K]``, out float32
+    ``[T, K, down.rows]``, each weight's bytes ``[n, stride]``. The intermediates (``[T, K,
+    gate.rows]`` floats, four of them) live in buffers the graph owns.
+    """
+
+    def __init__(self, gate: Weight, up: Weight, down: Weight, tokens: int, used: int, n_threads: int) -> None:
+        super().__init__(9)
+        base = _LIBS[0]
+        _check(base, gate, gate.cols)
+        _check(base, up, gate.cols)
+        _check(base, down, gate.rows)
+        if up.rows != gate.rows:
+            raise ValueError(f"gate and up projections differ in rows ({gate.rows} vs {up.rows})")
+        self.x = base.ggml_new_tensor_3d(self._ctx, GGML_TYPE_F32, gate.cols, 1, tokens)  # ne: [cols, 1, T]
+        self.ids = base.ggml_new_tensor_2d(self._ctx, GGML_TYPE_I32, used, tokens)        # ne: [K, T]
+        self.w = []
+        for w in (gate, up, down):
+            t = base.ggml_new_tensor_3d(self._ctx, w.ggml_type, w.cols, w.rows, w.n)  # ne: [cols, rows, n]
+            t.contents.nb[2] = w.stride
+            self.w.append(t)
+        g = base.ggml_mul_mat_id(self._ctx, self.w[0], self.x, self.ids)              # ne: [I, K, T]
+        u = base.ggml_mul_mat_id(self._ctx, self.w[1], self.x, self.ids)              # ne: [I, K, T]
+        s = base.ggml_silu(self._ctx, g)
+        a = base.ggml_mul(self._ctx, s, u)                                            # ne: [I, K, T]
+        self.out = base.ggml_mul_mat_id(self._ctx, self.w[2], a, self.ids)            # ne: [H, K, T]
+        # a no-alloc context gives the intermediates no memory: 64-byte aligned buffers of ours
+        nbytes = 4 * gate.rows * used * tokens
+        self._scratch = [ctypes.create_string_buffer(nbytes + 64) for _ in range(4)]
+        for t, buf in zip((g, u, s, a), self._scratch):
+            t.contents.data = -(-ctypes.addressof(buf) // 64) * 64
+        self._plan([self.out], n_threads)
+
+    def __call__(self, weights: list[int], x: int, ids: int, out: int) -> None:
+        """Run with these pointers: the gate, up and down bytes, x, ids, out."""
+        for t, ptr in zip(self.w, weights):
+            t.contents.data = ptr
+        self.x.contents.data, self.ids.contents.data, self.out.contents.data = x, ids, out
         self._run()
 
 

@@ -35,7 +35,8 @@ class GgmlExperts:
         biases = {k.name: k for k in codec.kinds if k not in weights}
         self.first_bias = biases.get(self.first.name + "_bias")
         self.down_bias = biases.get("down_proj_bias")
-        self._graphs: dict[tuple, ggml.MatmulId] = {}
+        self._graphs: dict[tuple, ggml.MatmulId | ggml.SiluMlpId] = {}
+        self._fusable: bool | None = None  # SiluMlpId fits the module (_silu_gate), once known
         # every step on ggml's threads: in decode torch is down to one (runtime/threads.py)
         self.threads = ggml_threads()
 
@@ -65,9 +66,43 @@ class GgmlExperts:
         Python. hidden [T, H], top_k_index [T, K], top_k_weights [T, K]; returns [T, H]."""
         T, K = top_k_index.shape
         ids = top_k_index.to(torch.int32).contiguous()                                # [T, K]
-        out = self.forward(module, hidden, ids, tensors, used=K)                      # [T*K, H]
+        if self._silu_gate(module):  # the whole MLP in one graph, as llama.cpp runs it
+            out = self._silu_mlp(hidden, ids, tensors)                                # [T*K, H]
+        else:
+            out = self.forward(module, hidden, ids, tensors, used=K)                  # [T*K, H]
         w = top_k_weights.to(out.dtype).unsqueeze(1)                                 # [T, 1, K]
         return torch.bmm(w, out.view(T, K, -1)).squeeze(1).to(hidden.dtype)          # [T, H]
+
+    def _silu_gate(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` computes ``silu(gate) * up`` from separate gate and up weights, with
+        no biases and nothing after down: what ``SiluMlpId`` computes (decided once a layer)."""
+        if self._fusable is None:
+            from transformers.activations import SiLUActivation
+            from transformers.integrations.moe import _default_apply_gate
+
+            self._fusable = (self.first.join == "concat" and len(self.first.parts) == 2
+                             and self.first_bias is None and self.down_bias is None
+                             and getattr(type(module), "_apply_gate", None) is _default_apply_gate
+                             and getattr(module, "has_gate", True)
+                             and not getattr(module, "has_post_expert_norm", False)
+                             and type(getattr(module, "act_fn", None)) in (SiLUActivation, torch.nn.SiLU))
+        return self._fusable
+
+    def _silu_mlp(self, hidden: torch.Tensor, ids: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """hidden [T, H], ids int32 [T, K] -> [T*K, H] float32: ``SiluMlpId`` over rows of ``tensors``."""
+        (T, K), parts = ids.shape, (*self.first.parts, *self.down.parts)  # gate, up (concat order), down
+        key = ("silu", T, K, *(tuple(tensors[p].shape) for p in parts))
+        graph = self._graphs.get(key)
+        if graph is None:
+            weights = [ggml.Weight(self.part[p].fmt.ggml_type, *self.part[p].shape, tensors[p].shape[0],
+                                   tensors[p].stride(0)) for p in parts]
+            graph = ggml.SiluMlpId(*weights, T, K, self.threads)
+            if T * K <= _CACHED_PAIRS:
+                self._graphs[key] = graph
+        x = hidden.float().contiguous()
+        out = torch.empty(T * K, self.part[self.down.parts[0]].shape[0])                # [T*K, H]
+        graph([tensors[p].data_ptr() for p in parts], x.data_ptr(), ids.data_ptr(), out.data_ptr())
+        return out
 
     def _matmul(self, parts: tuple[str, ...], x: torch.Tensor, ids: torch.Tensor,
                 tensors: dict[str, torch.Tensor], used: int = 1, x_per_expert: bool = False) -> list[torch.Tensor]:
