@@ -62,8 +62,8 @@ class GgmlExperts:
     def routed(self, module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """Every (token, rank) pair at once, when each expert id is its own row of ``tensors``
-        (the host's experts, all resident): two ggml graphs and a weighted sum, no per-pair
-        Python. hidden [T, H], top_k_index [T, K], top_k_weights [T, K]; returns [T, H]."""
+        (the host's experts): one ggml graph (``SiluMlpId``) or two, and a weighted sum, no
+        per-pair Python. hidden [T, H], top_k_index [T, K], top_k_weights [T, K]; returns [T, H]."""
         T, K = top_k_index.shape
         ids = top_k_index.to(torch.int32).contiguous()                                # [T, K]
         if self._silu_gate(module):  # the whole MLP in one graph, as llama.cpp runs it
@@ -92,13 +92,7 @@ class GgmlExperts:
         """hidden [T, H], ids int32 [T, K] -> [T*K, H] float32: ``SiluMlpId`` over rows of ``tensors``."""
         (T, K), parts = ids.shape, (*self.first.parts, *self.down.parts)  # gate, up (concat order), down
         key = ("silu", T, K, *(tuple(tensors[p].shape) for p in parts))
-        graph = self._graphs.get(key)
-        if graph is None:
-            weights = [ggml.Weight(self.part[p].fmt.ggml_type, *self.part[p].shape, tensors[p].shape[0],
-                                   tensors[p].stride(0)) for p in parts]
-            graph = ggml.SiluMlpId(*weights, T, K, self.threads)
-            if T * K <= _CACHED_PAIRS:
-                self._graphs[key] = graph
+        graph = self._graph(key, T * K, lambda: ggml.SiluMlpId(*self._weights(parts, tensors), T, K, self.threads))
         x = hidden.float().contiguous()
         out = torch.empty(T * K, self.part[self.down.parts[0]].shape[0])                # [T*K, H]
         graph([tensors[p].data_ptr() for p in parts], x.data_ptr(), ids.data_ptr(), out.data_ptr())
@@ -110,17 +104,26 @@ class GgmlExperts:
         (or [N] with used = 1); x [T, H], or [T*used, H] with ``x_per_expert``."""
         n = ids.numel() // used                                                       # T
         key = (parts, n, used, x_per_expert, *(tuple(tensors[p].shape) for p in parts))
-        graph = self._graphs.get(key)
-        if graph is None:
-            weights = [ggml.Weight(self.part[p].fmt.ggml_type, *self.part[p].shape, tensors[p].shape[0],
-                                   tensors[p].stride(0)) for p in parts]
-            graph = ggml.MatmulId(weights, n, self.threads, used, x_per_expert)
-            if n * used <= _CACHED_PAIRS:
-                self._graphs[key] = graph
+        graph = self._graph(key, n * used,
+                            lambda: ggml.MatmulId(self._weights(parts, tensors), n, self.threads, used, x_per_expert))
         outs = [x.new_empty(n * used, self.part[p].shape[0]) for p in parts]  # [T*used, rows_p] each
         graph([tensors[p].data_ptr() for p in parts], x.data_ptr(), ids.data_ptr(),
               [o.data_ptr() for o in outs])
         return outs
+
+    def _graph(self, key: tuple, pairs: int, build):
+        """The graph for ``key``, built by ``build()`` once; kept for decode sizes only."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = build()
+            if pairs <= _CACHED_PAIRS:
+                self._graphs[key] = graph
+        return graph
+
+    def _weights(self, parts: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> list[ggml.Weight]:
+        """ggml's view of each part's bytes in ``tensors`` ([n, stride] uint8)."""
+        return [ggml.Weight(self.part[p].fmt.ggml_type, *self.part[p].shape, tensors[p].shape[0],
+                            tensors[p].stride(0)) for p in parts]
 
     def _bias(self, kind: Kind, ids: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """[N, rows] biases of the pairs' experts (tiny: dequantized with torch)."""
