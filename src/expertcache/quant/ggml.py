@@ -176,6 +176,12 @@ class _Graph:
         self._ctx = base.ggml_init(_InitParams(size, None, True))
         self._graph = base.ggml_new_graph(self._ctx)
 
+    def _weight(self, w: Weight):
+        """A tensor header for stacked weight ``w`` (its data pointer set per run)."""
+        t = _LIBS[0].ggml_new_tensor_3d(self._ctx, w.ggml_type, w.cols, w.rows, w.n)  # ne: [cols, rows, n]
+        t.contents.nb[2] = w.stride  # a slot may be larger than this layer's expert
+        return t
+
     def _plan(self, outs: list, n_threads: int) -> None:
         """Add ``outs`` to the graph and size its work buffer for ``n_threads``."""
         base, cpu = _LIBS
@@ -219,12 +225,8 @@ class MatmulId(_Graph):
         x_rows = used if x_per_expert else 1
         self.x = base.ggml_new_tensor_3d(self._ctx, GGML_TYPE_F32, cols, x_rows, pairs)  # ne: [cols, 1|K, T]
         self.ids = base.ggml_new_tensor_2d(self._ctx, GGML_TYPE_I32, used, pairs)        # ne: [K, T]
-        self.w, self.out = [], []
-        for w in weights:
-            t = base.ggml_new_tensor_3d(self._ctx, w.ggml_type, w.cols, w.rows, w.n)  # ne: [cols, rows, n]
-            t.contents.nb[2] = w.stride  # a slot may be larger than this layer's expert
-            self.w.append(t)
-            self.out.append(base.ggml_mul_mat_id(self._ctx, t, self.x, self.ids))   # ne: [rows, K, T]
+        self.w = [self._weight(w) for w in weights]
+        self.out = [base.ggml_mul_mat_id(self._ctx, t, self.x, self.ids) for t in self.w]  # ne: [rows, K, T]
         self._plan(self.out, n_threads)
 
     def __call__(self, weights: list[int], x: int, ids: int, outs: list[int]) -> None:
@@ -257,11 +259,7 @@ class SiluMlpId(_Graph):
             raise ValueError(f"gate and up projections differ in rows ({gate.rows} vs {up.rows})")
         self.x = base.ggml_new_tensor_3d(self._ctx, GGML_TYPE_F32, gate.cols, 1, tokens)  # ne: [cols, 1, T]
         self.ids = base.ggml_new_tensor_2d(self._ctx, GGML_TYPE_I32, used, tokens)        # ne: [K, T]
-        self.w = []
-        for w in (gate, up, down):
-            t = base.ggml_new_tensor_3d(self._ctx, w.ggml_type, w.cols, w.rows, w.n)  # ne: [cols, rows, n]
-            t.contents.nb[2] = w.stride
-            self.w.append(t)
+        self.w = [self._weight(w) for w in (gate, up, down)]
         g = base.ggml_mul_mat_id(self._ctx, self.w[0], self.x, self.ids)              # ne: [I, K, T]
         u = base.ggml_mul_mat_id(self._ctx, self.w[1], self.x, self.ids)              # ne: [I, K, T]
         s = base.ggml_silu(self._ctx, g)
