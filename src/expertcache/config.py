@@ -65,6 +65,7 @@ class CacheConfig:
     host_memory: str = "auto"
     cpu_kernel: str = "auto"            # quantized experts on the CPU: CPU_KERNELS
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
+    #                                     (None: measured on this machine at load)
     # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
     eviction_params: InitVar[dict | None] = None
     admission_params: InitVar[dict | None] = None

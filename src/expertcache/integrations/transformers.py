@@ -82,9 +82,14 @@ def _imatrix_counts(config: CacheConfig, found):
 
 
 def _hardware(config: CacheConfig):
-    """The cost model's rates for the 'auto' miss path (a preset or a probe profile)."""
+    """The cost model's rates for the 'auto' miss path: the profile or preset given, else this
+    machine's, measured once per process (a preset's PCIe and CPU rates can be far off)."""
     from ..costmodel import DEFAULT, load_hardware
-    return load_hardware(config.hardware or DEFAULT)
+    from ..costmodel.hardware import measured_here
+
+    if config.hardware is not None:
+        return load_hardware(config.hardware)
+    return measured_here() if config.effective().miss == "auto" else load_hardware(DEFAULT)
 
 
 def _check_uniform(hosts: list[HostExperts], found) -> None:

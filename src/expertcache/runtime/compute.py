@@ -11,8 +11,15 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-# transformers' dispatcher: torch grouped_mm where the device supports it, else a Python loop
-from transformers.integrations.moe import _can_use_grouped_mm, _grouped_mm
+
+# torch's own grouped matmul (public ``F.grouped_mm`` from torch 2.10, ``torch._grouped_mm`` before):
+# called directly, not through transformers' private dispatcher, whose names and rules change
+# between releases (the GPU image has transformers 5.17, development 5.25)
+GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# the only (device capability majors, dtype) with torch's fast grouped kernel: bf16 on Hopper (sm90)
+# and Blackwell (sm100). Elsewhere torch falls back to a loop that reads the offsets back to the
+# host, a sync per call, and the loop of matmuls over used slots is the better choice.
+FAST_GROUPED_MM = {9, 10}
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -41,8 +48,7 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     dequantized GGUF experts are always ``[out, in]``).
     """
     first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
-    w_up, w_down = pool[first], pool["down_proj"]
-    S = w_up.shape[0]
+    S = pool[first].shape[0]
     T, K = slot_idx.shape
     if transposed is None:
         transposed = getattr(module, "is_transposed", False)
@@ -52,7 +58,12 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     ids, perm = torch.sort(slot_idx.reshape(-1))       # [T*K] pairs grouped by slot; excluded last
     ids, perm = ids[:n], perm[:n]                      # [N] only the pairs of this pass
     x = hidden[perm // K]                              # [N, H], tokens grouped by slot
-    matmul = _grouped(ids, S) if grouped else _looped(groups)
+    if grouped:  # over the window of slots this pass reads, not the whole pool (see _window)
+        pool, ids, groups = _window(pool, ids, groups)
+        matmul = _grouped(ids, pool[first].shape[0])
+    else:
+        matmul = _looped(groups)
+    w_up, w_down = pool[first], pool["down_proj"]
     b_up = pool[first + "_bias"][ids] if first + "_bias" in pool else None
     proj = matmul(x, w_up, transposed)
     proj = _activate(module, proj if b_up is None else proj + b_up)
@@ -67,12 +78,26 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     return full.view(T, K, -1).sum(dim=1).to(hidden.dtype)        # [T, H], rank-order sum per token
 
 
+def _window(pool: dict[str, torch.Tensor], ids: torch.Tensor, groups: list[tuple[int, int]]):
+    """The pool narrowed to the slots ``lo..hi`` this pass reads (views, no copy), ids shifted.
+
+    A whole pool at real sizes is thousands of groups for one grouped matmul and a weight view
+    past 2^31 elements (3000 bf16 Qwen3 experts: 9.4e9); the window of a step is at most its
+    partition's slots plus the staging slots. ``groups`` is host-known, so this reads nothing back.
+    """
+    if not groups:
+        return pool, ids, groups
+    lo, hi = groups[0][0], groups[-1][0] + 1  # groups are in slot order
+    return ({k: t[lo:hi] for k, t in pool.items()}, ids - lo, [(s - lo, n) for s, n in groups])
+
+
 def _grouped(ids: torch.Tensor, S: int):
     """One grouped matmul: per-slot offsets computed on the device from the sorted slot ids."""
     counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(),  # CPU histc: floats
                          bins=S, min=0, max=S - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    return lambda x, w, transposed: _grouped_mm(x, w if transposed else w.transpose(-2, -1), offs=offsets)
+    return lambda x, w, transposed: GROUPED_MM(x.to(w.dtype), w if transposed else w.transpose(-2, -1),
+                                               offs=offsets)
 
 
 def _looped(groups: list[tuple[int, int]]):
@@ -87,17 +112,23 @@ def _looped(groups: list[tuple[int, int]]):
     return matmul
 
 
+def fast_grouped_mm(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Whether torch has a fast grouped kernel here: CUDA, bf16, sm90 or sm100 (``FAST_GROUPED_MM``)."""
+    return (GROUPED_MM is not None and device_type == "cuda" and dtype == torch.bfloat16
+            and capability is not None and capability[0] in FAST_GROUPED_MM)
+
+
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Probe once whether this device's grouped matmul takes ``dtype`` (older kernels: bf16 only)."""
-    if device.type == "cpu":
-        return False  # the loop is faster on the host
+    """Whether pools on ``device`` in ``dtype`` take one grouped matmul (else a loop over used slots):
+    only where torch's fast kernel exists, and only if a probe on the device gives the right sums."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if not fast_grouped_mm(device.type, dtype, capability):
+        return False  # the host (the loop is faster there), or torch's syncing fallback
     try:
         x = torch.ones(4, 16, device=device, dtype=dtype)
         w = torch.ones(2, 16, 16, device=device, dtype=dtype)
         offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
-        if not _can_use_grouped_mm(x, w, offs):
-            return False  # its fallback reads offsets back to the host: a sync per call
-        y = _grouped_mm(x, w, offs=offs)
+        y = GROUPED_MM(x, w, offs=offs)
         return bool(torch.allclose(y.float().cpu(), torch.full((4, 16), 16.0)))
     except (RuntimeError, NotImplementedError):
         return False
