@@ -102,9 +102,12 @@ def host_mode(choice: str, device: torch.device, what: str, file_bytes: int | No
 
 def resident(data: torch.Tensor, mode: str) -> torch.Tensor:
     """``data`` (any device) as a contiguous host tensor, page-locked when ``mode`` is 'pinned'."""
-    if mode == "pinned":
-        return pinned_copy(data.detach())  # pinning raises on CPU-only torch
-    return data.detach().to("cpu").contiguous()
+    data = data.detach()
+    if mode == "pinned":  # pinning raises on CPU-only torch
+        # already page-locked host memory (experts handed back by an earlier offload): no copy
+        done = data.device.type == "cpu" and data.is_contiguous() and data.is_pinned()
+        return data if done else pinned_copy(data)
+    return data.to("cpu").contiguous()
 
 
 # below this, torch's pinned allocator: its power-of-two rounding costs little there
