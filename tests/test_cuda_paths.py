@@ -56,6 +56,13 @@ def test_grouped_matmul_reads_only_the_window_of_used_slots(monkeypatch):
     assert [shape[0] for shape, _ in seen] == [3, 3]     # gate_up and down: slots 5, 6, 7 only
     assert seen[0][1] == [2, 3, 5]                       # offsets of the window's groups
     assert torch.allclose(grouped, looped, atol=1e-5)
+    # a window never spans more weight elements than one grouped call may index: here at most
+    # two slots' worth, so slots 5..7 take two calls per matmul, slots 5-6 and then 7
+    seen.clear()
+    monkeypatch.setattr(compute, "GROUPED_MAX_ELEMENTS", 2 * I2 * H)
+    split = grouped_over_slots(experts, hidden, slot_idx, weights, pool, [(5, 2), (6, 1), (7, 2)], True)
+    assert [(shape[0], offs) for shape, offs in seen] == [(2, [2, 3]), (1, [2])] * 2
+    assert torch.allclose(split, looped, atol=1e-5)
 
 
 def test_passes_compute_hits_before_the_misses_copies_on_cuda():
