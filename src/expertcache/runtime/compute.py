@@ -43,9 +43,9 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     weights [T, K]; pool kind -> [S, ...]. Returns [T, H]. Reads the weights in place
     from the pool, no gather copy of any expert. ``groups``: (slot, pairs routed to it)
     in slot order, known on the host from the plan, so neither strategy syncs (derived
-    from slot_idx when omitted). ``grouped``: a grouped matmul over the window of used
-    slots (the device kernel; ``_windows``); otherwise a loop of matmuls over the used slots (the host, or a
-    device whose grouped_mm does not take this dtype). ``transposed``: whether the
+    from slot_idx when omitted). ``grouped``: a grouped matmul over the windows of used
+    slots (the device kernel; ``_windows``); otherwise a loop of matmuls over the used
+    slots (the host, or a device without torch's fast grouped kernel for this dtype). ``transposed``: whether the
     pool's weights are ``[in, out]`` (default: the module's own ``is_transposed``;
     dequantized GGUF experts are always ``[out, in]``).
     """
