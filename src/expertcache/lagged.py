@@ -52,16 +52,21 @@ class Update(tuple):
 class LaggedTable:
     """``table`` driven ``lag`` forwards behind a device that stages its own misses.
 
-    ``staging``: the device's staging rows (R), shared by all layers, for the byte count.
+    ``staging``: the device's staging rows (R), for the byte count; ``blocks``: they form that
+    many blocks of R // blocks rows, layer l staging into block l % blocks (1: all layers
+    share them; a block per layer: a forward's misses all survive to be loaded from there).
     """
 
-    def __init__(self, table: SlotTable, lag: int = 1, staging: int = 0) -> None:
+    def __init__(self, table: SlotTable, lag: int = 1, staging: int = 0, blocks: int = 1) -> None:
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
             raise ValueError(f"lag must be a whole number of forwards >= 1, got {lag!r}")
         self.table, self.lag = table, lag
         self.num_layers, self.num_experts = table.num_layers, table.num_experts
         self.resident: dict[int, int] = table.resident()  # the device's map: key -> slot
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1 or (staging and blocks > staging):
+            raise ValueError(f"staging blocks must be a whole number in 1..{max(staging, 1)}, got {blocks!r}")
         self.staging: list[int | None] = [None] * staging  # key each staging row holds
+        self.blocks, self.width = blocks, staging // blocks
         self._queue: deque = deque()                        # observed forwards, oldest first
         self._counts = [[[0] * len(FIELDS) for _ in range(self.num_layers)] for _ in range(2)]
         self.staging_loads = 0  # loads applied from a staging row (device copies)
@@ -84,10 +89,11 @@ class LaggedTable:
             row[ACCESSES] += len(experts)
             row[HITS] += len(experts) - len(missed)
             row[MISSES] += len(missed)
-            for r, e in enumerate(missed):
-                staging[r] = base + e
-            for r in range(len(missed), min(rows_written or 0, len(staging))):
-                staging[r] = None
+            first = (layer % self.blocks) * self.width
+            for r, e in enumerate(missed[:self.width]):
+                staging[first + r] = base + e
+            for r in range(len(missed), min(rows_written or 0, self.width)):
+                staging[first + r] = None
             self.staged += len(missed)
             misses.append({base + e for e in missed})
         self._queue.append((phase, [list(s) for s in steps], misses))

@@ -142,10 +142,10 @@ def slots_kernel(module: torch.nn.Module, pool: dict[str, torch.Tensor], transpo
         counts = counts.scatter_add(0, order, torch.ones_like(order, dtype=torch.int32))
         offs = torch.cumsum(counts, 0, dtype=torch.int32)                    # [S+R]
         xs = x[perm // K].to(w_up.dtype)                                     # [N, H]
-        proj = _mm(xs, w_up, offs, transposed)
+        proj = _mm(xs, w_up, offs, order, transposed)
         if first + "_bias" in pool:
             proj = proj + pool[first + "_bias"][order]
-        out = _mm(_activate(module, proj), w_down, offs, transposed)
+        out = _mm(_activate(module, proj), w_down, offs, order, transposed)
         if "down_proj_bias" in pool:
             out = out + pool["down_proj_bias"][order]
         if getattr(module, "has_post_expert_norm", False):
@@ -157,6 +157,13 @@ def slots_kernel(module: torch.nn.Module, pool: dict[str, torch.Tensor], transpo
     return kernel
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """Grouped matmul of row-sorted ``x`` [N, in] with ``w`` [S+R, ...] (``offs``: group ends)."""
-    return torch.nn.functional.grouped_mm(x, w if transposed else w.transpose(-2, -1), offs=offs)
+def _mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor,
+        transposed: bool) -> torch.Tensor:
+    """Row-sorted ``x`` [N, in] times the weights of each pair's row (``order`` [N] rows, sorted;
+    ``offs``: group ends over ``w`` [S+R, ...]): one grouped matmul; where tracing refuses
+    grouped_mm for the dtype (CPU float32 under torch.compile), a gather of the N rows and a
+    batched matmul, fixed shapes as well."""
+    w = w if transposed else w.transpose(-2, -1)                          # [S+R, in, out]
+    if torch.compiler.is_compiling() and (w.dtype != torch.bfloat16 or w.device.type == "cpu"):
+        return torch.bmm(x.unsqueeze(1), w.index_select(0, order)).squeeze(1)  # [N, out]
+    return torch.nn.functional.grouped_mm(x, w, offs=offs)

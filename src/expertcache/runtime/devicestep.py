@@ -11,9 +11,10 @@ API (stable; the vLLM plug-in builds on it)::
 
     step = DeviceStep(pool={"w13": w13 [S+R, 2I, H], "w2": w2 [S+R, H, I]},
                       hosts=[{"w13": [E, 2I, H], "w2": [E, H, I]} per layer],  # pinned on CUDA
-                      slots=S, max_tokens=256, top_k=K)
+                      slots=S, max_tokens=256, top_k=K,
+                      blocks=1)  # R staging rows in blocks; layer l stages into block l % blocks
     step.slot_map                 # int32 [L, E] on the pool's device: expert -> slot, or -1
-    step.fits(T)                  # shape-only: min(T*K, E) <= R, every miss gets a staging row
+    step.fits(T)                  # shape-only: min(T*K, E) <= R // blocks: every miss gets a row
     out = step.run(layer, x, topk_weights, topk_ids, kernel)   # remap + stage + kernel once;
                                   # records the ids [T, K] for the host (``routing``)
     slot_ids, staged = step.remap(layer, topk_ids)   # the pure parts of run(), for callers that
@@ -28,7 +29,7 @@ API (stable; the vLLM plug-in builds on it)::
 
 How a step works (``remap``): the layer's row of ``slot_map`` is looked up for the step's ids;
 the experts used but not resident are ranked in expert-id order (mask, cumsum) and the
-expert of rank r takes staging row ``S + r``; ids become slot or staging rows. ``stage``
+expert of rank r takes row r of the layer's staging block (``first_staging_row(layer) + r``); ids become slot or staging rows. ``stage``
 copies the staged experts' rows from the host store into the staging rows: a fixed
 number of rows, ``min(T*K, E, R)``; rows without a miss hold the sentinel E. On the CPU
 that is an index copy (sentinel rows copy the layer's last expert, which is harmless: the
@@ -54,7 +55,7 @@ class DeviceStep:
     """Slot map on the device, staging of misses, remap and kernel call; see the module doc."""
 
     def __init__(self, pool: dict[str, torch.Tensor], hosts: Sequence[dict[str, torch.Tensor]],
-                 slots: int, *, top_k: int, max_tokens: int = 256,
+                 slots: int, *, top_k: int, max_tokens: int = 256, blocks: int = 1,
                  resident: dict[int, int] | None = None) -> None:
         if not pool or any(set(h) != set(pool) for h in hosts):
             raise ValueError(f"the pool's weights {sorted(pool)} and every layer's host store must "
@@ -66,6 +67,9 @@ class DeviceStep:
         if not 0 <= slots < self.size:
             raise ValueError(f"slots={slots} leaves no staging row in a pool of {self.size} rows")
         self.pool, self.slots, self.staging = pool, slots, self.size - slots  # S, R
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= self.staging:
+            raise ValueError(f"staging blocks must be a whole number in 1..{self.staging}, got {blocks!r}")
+        self.blocks, self.width = blocks, self.staging // blocks  # layer l stages into block l % blocks
         self.num_layers, self.top_k = len(hosts), top_k
         self.num_experts = next(iter(hosts[0].values())).shape[0]  # E
         self.device = next(iter(pool.values())).device
@@ -90,25 +94,30 @@ class DeviceStep:
     def fits(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens runs here: its misses fit the staging rows and
         its routing fits the record buffer (shapes only, no tensor is read)."""
-        return min(tokens * self.top_k, self.num_experts) <= self.staging and tokens <= self.max_tokens
+        return min(tokens * self.top_k, self.num_experts) <= self.width and tokens <= self.max_tokens
 
     def staged_rows(self, tokens: int) -> int:
-        """Staging rows one step of ``tokens`` tokens writes: ``min(T*K, E, R)``."""
-        return min(tokens * self.top_k, self.num_experts, self.staging)
+        """Staging rows one step of ``tokens`` tokens writes: ``min(T*K, E, R // blocks)``."""
+        return min(tokens * self.top_k, self.num_experts, self.width)
+
+    def first_staging_row(self, layer: int) -> int:
+        """The pool row where ``layer``'s staging block starts: S + (layer % blocks) * width."""
+        return self.slots + (layer % self.blocks) * self.width
 
     # -- the step ------------------------------------------------------------------------
     def remap(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``topk_ids`` [T, K] expert ids -> (row ids [T, K] in topk_ids' dtype, staged [W] int64:
         the expert each of the first W = staged_rows(T) staging rows gets, E for none)."""
         # T tokens, K top-k, E experts, S slots, R staging rows, W staging rows this step writes
-        return assign_staging(self.slot_map[layer], topk_ids, self.slots,
+        return assign_staging(self.slot_map[layer], topk_ids, self.first_staging_row(layer),
                               self.staged_rows(topk_ids.shape[0]), self._rows)
 
     def stage(self, layer: int, staged: torch.Tensor) -> None:
-        """Copy the staged experts' rows (``staged`` [W] from ``remap``) into staging rows S..S+W-1."""
-        W = staged.shape[0]
+        """Copy the staged experts' rows (``staged`` [W] from ``remap``) into the layer's staging
+        block, rows first_staging_row(layer) + 0..W-1."""
+        W, first = staged.shape[0], self.first_staging_row(layer)
         for kind, dst in self.pool.items():
-            gather_rows(self.sources[layer][kind], staged, dst.narrow(0, self.slots, W))
+            gather_rows(self.sources[layer][kind], staged, dst.narrow(0, first, W))
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Non-blocking copy of the step's ids [T, K] into the pinned routing buffer."""
@@ -208,23 +217,24 @@ class DeviceStep:
             dst.index_copy_(0, dst_row, on_device)
 
 
-def assign_staging(row: torch.Tensor, topk_ids: torch.Tensor, slots: int, width: int,
+def assign_staging(row: torch.Tensor, topk_ids: torch.Tensor, first: int, width: int,
                    experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed-shape core of a step (see ``DeviceStep.remap``).
 
-    row int32 [E] (slot or -1); topk_ids [T, K]; ``width`` W staging rows may be given out;
+    row int32 [E] (slot or -1); topk_ids [T, K]; ``width`` W staging rows from pool row
+    ``first`` on may be given out;
     experts = arange(E). Returns row ids [T, K] (topk_ids' dtype) and staged int64 [W]
     (expert per staging row, E for none). Misses beyond W (never with ``fits``) are clamped to
     the last row, so ids stay inside the pool.
     """
-    # T tokens, K top-k, E experts, S slots, W staging rows this step
+    # T tokens, K top-k, E experts, W staging rows this step
     E = row.shape[0]
     flat = topk_ids.reshape(-1).long()                                     # [T*K]
     used = torch.zeros(E, dtype=torch.bool, device=row.device).index_fill(0, flat, True)  # [E]
     missed = used & (row < 0)                                              # [E]
     rank = torch.cumsum(missed.to(torch.int64), 0) - 1                     # [E] rank among misses
     rank = rank.clamp(min=0, max=max(width - 1, 0))
-    where = torch.where(missed, slots + rank, row.long())                  # [E] row of each expert
+    where = torch.where(missed, first + rank, row.long())                  # [E] row of each expert
     row_ids = where.index_select(0, flat).view(topk_ids.shape).to(topk_ids.dtype)  # [T, K]
     target = torch.where(missed, rank, width)                              # [E], W = no row
     staged = torch.full((width + 1,), E, dtype=torch.int64, device=row.device)
