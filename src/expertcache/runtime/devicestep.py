@@ -31,9 +31,11 @@ How a step works (``remap``): the layer's row of ``slot_map`` is looked up for t
 the experts used but not resident are ranked in expert-id order (mask, cumsum) and the
 expert of rank r takes row r of the layer's staging block (``first_staging_row(layer) + r``); ids become slot or staging rows. ``stage``
 copies the staged experts' rows from the host store into the staging rows: a fixed
-number of rows, ``min(T*K, E, R)``; rows without a miss hold the sentinel E. On the CPU
-that is an index copy (sentinel rows copy the layer's last expert, which is harmless: the
-kernel never reads them). On CUDA the host store is pinned and read in place through a
+number of rows, ``min(T*K, E, R // blocks)``; rows without a miss hold the sentinel E. On
+the CPU that is an index copy: in eager mode of the rows with an expert only (a boolean mask,
+a data-dependent shape that costs the host nothing: there is no device to wait for); traced
+(``torch.compile``) of all rows, sentinel rows copying the layer's last expert, which is
+harmless: the kernel never reads them. On CUDA the host store is pinned and read in place through a
 device view of it (zero-copy, UVA: ``cuda_view``), by a Triton kernel whose masked
 loads read nothing for sentinel rows; without Triton, by ``index_select`` on the view
 (sentinel rows then read the last expert over PCIe). Exactness: with ``fits(T)`` every
@@ -243,11 +245,22 @@ def assign_staging(row: torch.Tensor, topk_ids: torch.Tensor, first: int, width:
 
 
 def gather_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i] = src[rows[i]]`` for rows below E = src.shape[0]; rows equal to E are skipped
-    (CUDA with Triton) or copy ``src[E-1]`` (otherwise). src [E, ...]; rows [W]; out [W, ...]."""
+    """``out[i] = src[rows[i]]`` for rows below E = src.shape[0]; rows equal to E (sentinels)
+    are skipped (CUDA with Triton; the CPU in eager mode) or copy ``src[E-1]`` (otherwise).
+    src [E, ...]; rows [W]; out [W, ...]."""
     E = src.shape[0]
-    if out.device.type == "cuda" and _triton_ok(src, out):
-        _triton_gather(src, rows, out)
+    if out.device.type == "cuda":
+        if _triton_ok(src, out):
+            _triton_gather(src, rows, out)
+        else:
+            torch.index_select(src, 0, rows.clamp(max=E - 1), out=out)
+        return
+    if not torch.compiler.is_compiling():
+        # CPU, eager: copy the rows that hold an expert only. The mask makes a data-dependent
+        # shape, which costs nothing on the host (no device to wait for, no graph to keep);
+        # traced code takes the fixed-width copy below
+        keep = (rows < E).nonzero().squeeze(1)                         # [M] rows with an expert
+        out.index_copy_(0, keep, src.index_select(0, rows.index_select(0, keep)))
         return
     torch.index_select(src, 0, rows.clamp(max=E - 1), out=out)
 

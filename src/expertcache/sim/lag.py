@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..lagged import LaggedTable
 from ..stats import PREFILL, Stats
-from .replay import Prepared, check_table, resolve_policy, table_replay
+from .replay import Prepared, check_table, replay, resolve_policy
 
 
 @dataclass
@@ -62,10 +62,10 @@ def lag_replay(trace, policy, slots: int, partition: str = "global", lag: int = 
     spec = resolve_policy(policy)
     if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
         raise ValueError(f"lag must be a whole number of forwards >= 0, got {lag!r}")
-    table = check_table(prep.trace, spec, slots, partition)
-    if lag == 0:
-        stats = table_replay(prep, table)
+    if lag == 0:  # the plain replay (a compiled kernel where one applies)
+        stats = replay(prep, spec, slots, partition).stats
         return LagResult(spec.label, partition, slots, 0, stats, 0, 0, 0, stats.total().misses)
+    table = check_table(prep.trace, spec, slots, partition)
     if table.needs_future:
         table.bind_future(prep.future())
     rows, phases = prep.step_lists, prep.row_phases
