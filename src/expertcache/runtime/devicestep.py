@@ -27,6 +27,11 @@ API (stable; the vLLM plug-in builds on it)::
                                   # staging row or -1)], before a forward (lagged.Update)
     step.apply_fixed(buffers)     # the same from fixed-size buffers (graph-safe)
 
+    driver = LaggedDriver(step, LaggedTable(table, lag, staging=R))  # the host side, per forward:
+    device = driver.begin(T, decode)   # observe the last forward, apply due decisions; True:
+                                       # run this forward's layers with step.run
+    plan = driver.host_step(layer, experts, phase)   # a host-planned step (the map follows)
+
 How a step works (``remap``): the layer's row of ``slot_map`` is looked up for the step's ids;
 the experts used but not resident are ranked in expert-id order (mask, cumsum) and the
 expert of rank r takes row r of the layer's staging block (``first_staging_row(layer) + r``); ids become slot or staging rows. ``stage``
@@ -49,8 +54,12 @@ changes. A resident entry of ``slot_map`` must always name a slot that holds the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 import torch
+
+from ..lagged import LaggedTable
+from ..stats import DECODE
 
 
 class DeviceStep:
@@ -139,7 +148,7 @@ class DeviceStep:
     def routing(self, layer: int, tokens: int) -> torch.Tensor:
         """The ids [T, K] layer ``layer`` recorded in the latest forward (host memory).
 
-        On CUDA, wait for ``routed_event`` first (``LaggedRouting`` does)."""
+        On CUDA, wait for ``routed_event`` first (``LaggedDriver.observe`` does)."""
         return self.routed[layer, :tokens]
 
     # -- slot changes from the host ---------------------------------------------------------
@@ -217,6 +226,70 @@ class DeviceStep:
                 gather_rows(self.sources[layer_id][kind], host_rows, fetched)
                 on_device = torch.where(mine.view(-1, *[1] * (dst.ndim - 1)), fetched, on_device)
             dst.index_copy_(0, dst_row, on_device)
+
+
+class LaggedDriver:
+    """The host's side of a ``DeviceStep``, once per forward (engine-agnostic).
+
+    ``begin(tokens, decode)`` before each forward: hands the previous device forward's routing
+    to ``lagged`` (``observe``), applies the decisions now due (``lag`` forwards old; all of
+    them before a host-planned forward) and returns whether this forward runs on the device
+    (decode that ``step.fits``). A host-planned forward calls ``host_step`` per layer for its
+    plan (the device map follows it; the engine copies the weights itself). ``copies``
+    [phase][layer]: experts copied from the host by the device path (staged misses, loads
+    without a staging row). ``before_apply(device)``: a hook for engines that must order
+    streams at the switch.
+    """
+
+    def __init__(self, step: DeviceStep, lagged: LaggedTable) -> None:
+        self.step, self.lagged = step, lagged
+        self._recorded = 0   # tokens of the last device forward, not yet observed (0: none)
+        self.copies = [[0] * step.num_layers for _ in range(2)]
+        self.device_forwards = self.host_forwards = 0
+
+    def begin(self, tokens: int | None, decode: bool) -> bool:
+        self.observe()
+        device = bool(decode) and tokens is not None and self.step.fits(tokens)
+        updates = self.lagged.begin() if device else self.lagged.flush()
+        for layer, _expert, slot, source in updates:
+            if slot >= 0 and source < 0:
+                self.copies[DECODE][layer] += 1
+        self.before_apply(device)
+        self.step.apply(updates)
+        if device:
+            self._recorded, self.device_forwards = tokens, self.device_forwards + 1
+        else:
+            self.host_forwards += 1
+        return device
+
+    def before_apply(self, device: bool) -> None:
+        pass
+
+    def observe(self) -> None:
+        """Hand the last device forward's routing to the lagged table (once; on CUDA after the
+        routing's copy to host memory completed)."""
+        T, self._recorded = self._recorded, 0
+        if not T:
+            return
+        step = self.step
+        if step.routed_event is not None:
+            step.routed_event.synchronize()
+        steps = [list(dict.fromkeys(chain.from_iterable(step.routing(l, T).tolist())))
+                 for l in range(step.num_layers)]
+        resident, E = self.lagged.resident, step.num_experts
+        for layer, experts in enumerate(steps):  # every miss is one copy into a staging row
+            self.copies[DECODE][layer] += sum(1 for e in experts if layer * E + e not in resident)
+        self.lagged.observe(steps, DECODE, step.staged_rows(T))
+
+    def host_step(self, layer: int, experts: Sequence[int], phase: int):
+        """The table's plan for a host-planned step (``Plan``); the device map follows it."""
+        plan = self.lagged.host_step(layer, experts, phase)
+        if plan.evictions or plan.loads:
+            E = self.step.num_experts
+            entries = dict.fromkeys(plan.evictions, -1)
+            entries.update(plan.loads)
+            self.step.write_map([(k // E, k % E, s) for k, s in entries.items()])
+        return plan
 
 
 def assign_staging(row: torch.Tensor, topk_ids: torch.Tensor, first: int, width: int,
