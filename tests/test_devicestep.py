@@ -132,17 +132,26 @@ def test_device_planner_equals_plain_transformers(reference, slots, batch):
     dict(slots=4, partition="per-layer", eviction="fifo"),
     dict(slots=5, eviction="slru", admission="second-hit"),
     dict(slots=4, eviction="lfu", admission="window", lag=3),
-], ids=["default", "lag2", "fifo-per-layer", "slru-second-hit", "lfu-window-lag3"])
+    dict(slots=4, staging=4, staging_blocks=2),
+], ids=["default", "lag2", "fifo-per-layer", "slru-second-hit", "lfu-window-lag3", "blocks2"])
 def test_live_counts_equal_sim_lag_replay(reference, kwargs):
     live = offload(copy.deepcopy(reference), planner="device", **kwargs)
     trace = record(live, _ids(1, seed=11), 9)
     policy = f"{kwargs.get('eviction', 'default')}+{kwargs.get('admission', 'always')}"
-    replayed = lag_replay(trace, policy, kwargs["slots"], kwargs.get("partition", "global"), kwargs.get("lag", 1))
+    blocks = kwargs.get("staging_blocks", 1)
+    replayed = lag_replay(trace, policy, kwargs["slots"], kwargs.get("partition", "global"), kwargs.get("lag", 1),
+                          staging=kwargs.get("staging", 2) // blocks, blocks=blocks)
     observed = live.expertcache.stats()
     for phase in ("prefill", "decode"):
         for layer in range(2):
             assert observed.layer(layer, phase) == replayed.stats.layer(layer, phase), (phase, layer)
-    assert observed.total("decode").misses > 0 and live.expertcache.planner.device_forwards == 8
+    planner = live.expertcache.planner
+    assert observed.total("decode").misses > 0 and planner.device_forwards == 8
+    # bytes: staged misses and loads without a staging row, as the replay counts them
+    copied = replayed.staged + replayed.host_loads
+    assert observed.h2d_bytes("decode") == copied * live.expertcache.expert_bytes
+    if kwargs.get("staging_blocks"):  # a block per layer: admitted misses load from their staging row
+        assert planner.step.blocks == 2 and planner.lagged.staging_loads > 0
 
 
 def test_lag_zero_is_the_plain_replay(reference):
@@ -156,6 +165,8 @@ def test_device_planner_settings(reference):
         CacheConfig(slots=4, planner="gpu")
     with pytest.raises(ValueError, match="lag must be"):
         CacheConfig(slots=4, planner="device", lag=0)
+    with pytest.raises(ValueError, match="staging_blocks=3 exceeds staging=2"):
+        CacheConfig(slots=4, planner="device", staging=2, staging_blocks=3)
     model = offload(copy.deepcopy(reference), slots=4, planner="device", miss="cpu")
     assert model.expertcache.planner is None and "miss path 'cpu'" in model.expertcache.planner_reason
 

@@ -36,20 +36,21 @@ def device_planner_refusal(cache) -> str | None:
         return f"slot format {cache.slot_format!r}: the device step stages plain (float) experts only"
     if cache.miss != "fetch":
         return f"miss path {cache.miss!r} computes misses on the host; the device step fetches them"
-    if cache.pool.staging < 1:
-        return "the pool has no staging rows"
+    if cache.pool.staging < max(1, cache.config.staging_blocks):
+        return (f"staging_blocks={cache.config.staging_blocks} needs as many staging rows; the pool "
+                f"has {cache.pool.staging}")
     return None
 
 
 class DevicePlanner(LaggedDriver):
     """The device step and the lagged table of one ``ExpertCache`` (``cache.planner``)."""
 
-    def __init__(self, cache, lag: int, max_tokens: int = 256) -> None:
+    def __init__(self, cache, lag: int, blocks: int = 1, max_tokens: int = 256) -> None:
         pool = cache.pool
         self.cache = cache
-        step = DeviceStep(pool.tensors, [h.tensors for h in cache.hosts], pool.slots,
-                          top_k=cache.top_k, max_tokens=max_tokens, resident=cache.table.resident())
-        super().__init__(step, LaggedTable(cache.table, lag, pool.staging))
+        step = DeviceStep(pool.tensors, [h.tensors for h in cache.hosts], pool.slots, top_k=cache.top_k,
+                          max_tokens=max_tokens, blocks=blocks, resident=cache.table.resident())
+        super().__init__(step, LaggedTable(cache.table, lag, pool.staging, blocks))
         self.active = False  # whether the current forward runs on the device
         self.transposed = cache.hosts[0].transposed
 

@@ -74,7 +74,7 @@ class ExpertCache:
         refusal = device_planner_refusal(self)
         if refusal is not None:
             return None, f"planner='device' refused, host planner used: {refusal}"
-        return DevicePlanner(self, config.lag), (f"planner='device': decode steps on the device, the "
+        return DevicePlanner(self, config.lag, config.staging_blocks), (f"planner='device': decode steps on the device, the "
                                                  f"policy {config.lag} forward(s) behind")
 
     def _cpu_kernel(self, choice: str) -> tuple[str, str]:
