@@ -3,9 +3,11 @@
 Engine-agnostic (our transformers runtime and the vLLM plug-in use it alike): it knows
 a pool of weight tensors ``[S + R, ...]`` (S cache slots, then R staging rows), each
 layer's host store ``[E, ...]`` under the same names, and a kernel
-``kernel(x, weights, slot_ids) -> [T, H]`` that reads the pool by row id. Nothing in a
-step reads a tensor back to the host, branches on a tensor's value or makes a shape that
-depends on data, so a step can run inside a CUDA graph or ``torch.compile(fullgraph=True)``.
+``kernel(x, weights, slot_ids) -> [T, H]`` that reads the pool by row id (ids run up to
+S + R - 1: a kernel that takes an expert count must be given S + R). Nothing in a step reads
+a tensor back to the host or branches on a tensor's value, and on CUDA and when traced no
+shape depends on data, so a step can run inside a CUDA graph or
+``torch.compile(fullgraph=True)`` (the CPU in eager mode compacts its staging copy, below).
 
 API (stable; the vLLM plug-in builds on it)::
 
@@ -34,16 +36,18 @@ API (stable; the vLLM plug-in builds on it)::
 
 How a step works (``remap``): the layer's row of ``slot_map`` is looked up for the step's ids;
 the experts used but not resident are ranked in expert-id order (mask, cumsum) and the
-expert of rank r takes row r of the layer's staging block (``first_staging_row(layer) + r``); ids become slot or staging rows. ``stage``
-copies the staged experts' rows from the host store into the staging rows: a fixed
-number of rows, ``min(T*K, E, R // blocks)``; rows without a miss hold the sentinel E. On
-the CPU that is an index copy: in eager mode of the rows with an expert only (a boolean mask,
-a data-dependent shape that costs the host nothing: there is no device to wait for); traced
-(``torch.compile``) of all rows, sentinel rows copying the layer's last expert, which is
-harmless: the kernel never reads them. On CUDA the host store is pinned and read in place through a
-device view of it (zero-copy, UVA: ``cuda_view``), by a Triton kernel whose masked
-loads read nothing for sentinel rows; without Triton, by ``index_select`` on the view
-(sentinel rows then read the last expert over PCIe). Exactness: with ``fits(T)`` every
+expert of rank r takes row r of the layer's staging block (``first_staging_row(layer) + r``);
+ids become slot or staging rows. ``stage`` copies the staged experts' rows from the host
+store into the staging rows: a fixed number of rows, ``min(T*K, E, R // blocks)``; rows
+without a miss hold the sentinel E. On the CPU that is an index copy: in eager mode of the
+rows with an expert only (a boolean mask, a data-dependent shape that costs the host
+nothing: there is no device to wait for); traced (``torch.compile``) of all rows, sentinel
+rows copying the layer's last expert, which is harmless: the kernel never reads them. On
+CUDA the host store is pinned and read in place through a device view of it (zero-copy,
+UVA: ``cuda_view``), by a Triton kernel whose masked loads read nothing for sentinel rows;
+without Triton, by ``index_select`` on the view (sentinel rows then read the last expert
+over the bus). ``apply`` is issued by the host between forwards (small copies); inside a
+captured graph use ``fill_fixed`` + ``apply_fixed`` instead. Exactness: with ``fits(T)`` every
 expert a step needs is in a slot or a staging row when the kernel runs.
 
 Which experts are resident is the host's business (``expertcache.lagged.LaggedTable``,
