@@ -180,6 +180,8 @@ def test_device_planner_settings(reference):
         CacheConfig(slots=4, planner="device", staging=2, staging_blocks=3)
     model = offload(copy.deepcopy(reference), slots=4, planner="device", miss="cpu")
     assert model.expertcache.planner is None and "miss path 'cpu'" in model.expertcache.planner_reason
+    assert model.expertcache.summary()["planner"] == "host"
+    assert offload(copy.deepcopy(reference), slots=4, planner="device").expertcache.summary()["planner"] == "device"
 
 
 def test_compiled_moe_block_equals_eager(reference):

@@ -225,6 +225,7 @@ class ExpertCache:
                 "quant": None if self.codec is None else sorted({p.fmt.name for h in self.hosts
                                                                  for p in h.codec.parts}),
                 "host_memory": mode, "host_memory_reason": reason,
+                "planner": "host" if self.planner is None else "device", "planner_reason": self.planner_reason,
                 "device": str(self.device), "config": self.config.to_dict()}
 
     def __repr__(self) -> str:
