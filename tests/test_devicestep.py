@@ -161,6 +161,9 @@ def test_live_counts_equal_sim_lag_replay(reference, kwargs):
     # bytes: staged misses and loads without a staging row, as the replay counts them
     copied = replayed.staged + replayed.host_loads
     assert observed.h2d_bytes("decode") == copied * live.expertcache.expert_bytes
+    pool = observed.pool
+    assert pool["planner"] == "device" and pool["lag"] == kwargs.get("lag", 1) and pool["device_forwards"] == 8
+    assert pool["pending_forwards"] == kwargs.get("lag", 1)  # observed, not yet decided
     if kwargs.get("staging_blocks"):  # a block per layer: admitted misses load from their staging row
         assert planner.step.blocks == 2 and planner.lagged.staging_loads > 0
 
