@@ -159,19 +159,30 @@ class DeviceStep:
     def apply(self, updates: Sequence[tuple[int, int, int, int]]) -> None:
         """Apply the host's slot changes ``(layer, expert, slot or -1, staging row or -1)``:
         the expert's map entry becomes ``slot``; a slot gets its weights from the staging row
-        named (a device copy) or else from the host store. Issued by the host between forwards
-        (order-free: slots are distinct and staging rows are never written here)."""
+        named (a device copy) or else from the host store (CUDA: through its device view).
+        Issued by the host between forwards, batched: one copy per weight kind for the loads
+        from staging rows and one per layer for those from the host (order-free: slots are
+        distinct, and staging rows are never written here)."""
         if not updates:
             return
-        layers, experts, slots, sources = (list(c) for c in zip(*updates))
-        entry = torch.tensor(slots, dtype=torch.int32)
-        self.slot_map[torch.tensor(layers), torch.tensor(experts)] = entry.to(self.device, non_blocking=self.cuda)
+        self.write_map([(layer, expert, slot) for layer, expert, slot, _ in updates])
+        # U updates with a slot: from a staging row, or from a layer's host store
+        staged = [(slot, self.slots + source) for _, _, slot, source in updates if slot >= 0 and source >= 0]
+        hosted: dict[int, list[tuple[int, int]]] = {}
         for layer, expert, slot, source in updates:
-            if slot < 0:
-                continue
+            if slot >= 0 and source < 0:
+                hosted.setdefault(layer, []).append((slot, expert))
+        if staged:
+            dst_rows, src_rows = (self._index(c) for c in zip(*staged))
+            for dst in self.pool.values():
+                dst.index_copy_(0, dst_rows, dst.index_select(0, src_rows))
+        for layer, pairs in hosted.items():
+            dst_rows, experts = (self._index(c) for c in zip(*pairs))
             for kind, dst in self.pool.items():
-                src = dst[self.slots + source] if source >= 0 else self.hosts[layer][kind][expert]
-                dst[slot].copy_(src, non_blocking=self.cuda)
+                dst.index_copy_(0, dst_rows, self.sources[layer][kind].index_select(0, experts))
+
+    def _index(self, values) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64).to(self.device, non_blocking=self.cuda)
 
     def write_map(self, entries: Sequence[tuple[int, int, int]]) -> None:
         """Set map entries ``(layer, expert, slot or -1)`` only: for slots the caller filled
