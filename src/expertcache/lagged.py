@@ -118,7 +118,7 @@ class LaggedTable:
             phase, steps, misses = self._queue.popleft()
             counts = self._counts[phase]
             for layer, (experts, missed) in enumerate(zip(steps, misses)):
-                plan = table._step(layer, dict.fromkeys(experts), phase)  # checked when observed
+                plan = table._step(layer, dict.fromkeys(experts), phase)  # ids: a router's or a checked trace's
                 row = counts[layer]
                 row[LOADS] += len(plan.loads)
                 row[EVICTIONS] += len(plan.evictions)
