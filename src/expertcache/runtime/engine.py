@@ -74,8 +74,8 @@ class ExpertCache:
         refusal = device_planner_refusal(self)
         if refusal is not None:
             return None, f"planner='device' refused, host planner used: {refusal}"
-        return DevicePlanner(self, config.lag, config.staging_blocks), (f"planner='device': decode steps on the device, the "
-                                                 f"policy {config.lag} forward(s) behind")
+        why = f"planner='device': decode steps on the device, the policy {config.lag} forward(s) behind"
+        return DevicePlanner(self, config.lag, config.staging_blocks), why
 
     def _cpu_kernel(self, choice: str) -> tuple[str, str]:
         if self.codec is None:
