@@ -128,7 +128,7 @@ class FakeCudart:
         self.fail, self.calls = fail, []
 
     def cudaHostRegister(self, ptr, nbytes, flags):
-        self.calls.append(("register", ptr, nbytes))
+        self.calls.append(("register", ptr, nbytes, flags))
         return 712 if self.fail else 0   # 712: cudaErrorHostMemoryAlreadyRegistered
 
     def cudaHostUnregister(self, ptr):
@@ -153,7 +153,7 @@ def test_pinned_host_copies_are_registered_to_the_byte_in_one_copy(monkeypatch):
     out = resident(data, "pinned")
     assert torch.equal(out, data) and out.data_ptr() != data.data_ptr()
     assert out.data_ptr() % 4096 == 0
-    assert fake.calls == [("register", out.data_ptr(), data.numel() * 2)]
+    assert fake.calls == [("register", out.data_ptr(), data.numel() * 2, 3)]  # portable | mapped
     ptr = out.data_ptr()
     del out
     gc.collect()

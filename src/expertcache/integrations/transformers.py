@@ -36,7 +36,8 @@ def offload(model_or_path, *, config: CacheConfig | None = None, **settings):
     ``slot_format`` ('auto', 'quantized', 'dequantized') and ``host_memory`` ('auto', 'copy',
     'mmap') for quantized experts, ``cpu_kernel`` ('auto', 'ggml', 'torch': how quantized experts
     computed on the CPU do their math, docs/cpu.md), ``hardware`` (a preset or probe profile) for the cost
-    model of ``miss='auto'``.
+    model of ``miss='auto'``, ``planner`` ('host', or 'device': decode steps on the device, the
+    policy ``lag`` forwards behind, staging rows in ``staging_blocks`` blocks; docs/runtime.md).
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """
     if config is not None and settings:
@@ -125,5 +126,13 @@ def _attach(model: torch.nn.Module, cache: ExpertCache) -> None:
 def _phase_hook(cache: ExpertCache):
     """Tell the cache whether this forward is prefill (several new tokens) or decode (one)."""
     def hook(module, args, kwargs):
-        cache.set_phase(new_tokens(args, kwargs))
+        cache.set_phase(new_tokens(args, kwargs), _all_tokens(args, kwargs))
     return hook
+
+
+def _all_tokens(args: tuple, kwargs: dict) -> int | None:
+    """Tokens of a forward over the whole batch (``[B, T, ...]`` -> B x T), or None."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    return ids.shape[0] * ids.shape[1] if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else None

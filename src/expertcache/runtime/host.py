@@ -112,6 +112,7 @@ def resident(data: torch.Tensor, mode: str) -> torch.Tensor:
 
 # below this, torch's pinned allocator: its power-of-two rounding costs little there
 _REGISTER_MIN = 1 << 20
+_PORTABLE, _MAPPED = 1, 2  # cudaHostRegister flags
 
 
 def pinned_copy(data: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,8 @@ def pinned_copy(data: torch.Tensor) -> torch.Tensor:
     buf = mmap.mmap(-1, nbytes)
     out = torch.frombuffer(buf, dtype=data.dtype, count=data.numel()).view(data.shape)
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(out.data_ptr(), nbytes, 0)) != 0:
+    # portable (every device) and mapped: the device step reads the store in place (devicestep.cuda_view)
+    if int(cudart.cudaHostRegister(out.data_ptr(), nbytes, _PORTABLE | _MAPPED)) != 0:
         if hasattr(cudart, "cudaGetLastError"):
             cudart.cudaGetLastError()  # the error is ours: no later kernel check may report it
         return data.to("cpu").contiguous().pin_memory()

@@ -1,0 +1,135 @@
+"""``planner="device"`` in our transformers runtime: decode steps on the device, the policy a
+forward behind on the host.
+
+``DevicePlanner`` joins the engine-agnostic step (``runtime/devicestep.py``) and the
+host-side ``expertcache.lagged.LaggedTable``:
+
+- the model's forward pre-hook (``begin_forward``) reads the previous device forward's
+  routing (host memory by then), hands it to the lagged table, takes back the slot changes
+  decided so far and applies them, then decides whether this forward runs on the device:
+  decode (one new token per sequence) whose ``T x K`` pairs fit the staging rows.
+  Otherwise (prefill, or a batch wider than the staging rows) the host path of
+  ``runtime/experts.py`` runs, planned at once (lag 0) through ``host_step``, after every
+  pending decision is applied;
+- on the device path each MoE layer's step is ``DeviceStep.run`` with ``slots_kernel``: no
+  host read, no data-dependent shape, so the block compiles with ``fullgraph=True``.
+
+Only plain slots (float experts) and miss path ``fetch`` take the device path; other
+configurations keep the host planner (``planner_reason`` says why).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..lagged import LaggedTable
+from ..stats import DECODE, Stats
+from .compute import _activate
+from .devicestep import DeviceStep, LaggedDriver
+
+
+def device_planner_refusal(cache) -> str | None:
+    """Why ``cache`` cannot run the device planner, or None when it can."""
+    if cache.host_resident:
+        return "every expert is computed on the host's bytes (resident, ggml): no slots to plan"
+    if cache.slot_format != "plain":
+        return f"slot format {cache.slot_format!r}: the device step stages plain (float) experts only"
+    if cache.miss != "fetch":
+        return f"miss path {cache.miss!r} computes misses on the host; the device step fetches them"
+    if cache.pool.staging < max(1, cache.config.staging_blocks):
+        return (f"staging_blocks={cache.config.staging_blocks} needs as many staging rows; the pool "
+                f"has {cache.pool.staging}")
+    return None
+
+
+class DevicePlanner(LaggedDriver):
+    """The device step and the lagged table of one ``ExpertCache`` (``cache.planner``)."""
+
+    def __init__(self, cache, lag: int, blocks: int = 1, max_tokens: int = 256) -> None:
+        pool = cache.pool
+        self.cache = cache
+        step = DeviceStep(pool.tensors, [h.tensors for h in cache.hosts], pool.slots, top_k=cache.top_k,
+                          max_tokens=max_tokens, blocks=blocks, resident=cache.table.resident())
+        super().__init__(step, LaggedTable(cache.table, lag, pool.staging, blocks))
+        self.active = False  # whether the current forward runs on the device
+        self.transposed = cache.hosts[0].transposed
+
+    def begin_forward(self, tokens: int | None, phase: int | None) -> None:
+        """Before a forward of ``tokens`` new tokens in all (batch x new tokens)."""
+        self.active = self.begin(tokens, phase == DECODE)
+
+    def before_apply(self, device: bool) -> None:
+        pool = self.cache.pool
+        if pool.cuda:  # the two paths share the pool: order their streams at the switch
+            if device:
+                pool.ready()  # device steps read slots the host path loaded on its copy stream
+            else:  # host-path loads (copy stream) must not overwrite rows device steps still read
+                pool.copy_stream.wait_stream(torch.cuda.current_stream(pool.device))
+
+    # -- the device step ------------------------------------------------------------------------
+    def run(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+            top_k_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer's step on the device (``DeviceStep.run``); no host read."""
+        kernel = slots_kernel(module, self.step.pool, self.transposed)
+        return self.step.run(layer, hidden, top_k_weights, top_k_index, kernel)
+
+    # -- counters -------------------------------------------------------------------------------
+    def stats(self) -> Stats:
+        self.observe()
+        return self.lagged.stats()
+
+    def h2d(self, expert_bytes: int) -> list[list[int]]:
+        """Bytes copied from the host per [phase][layer] on the device path (staged misses and
+        loads that found no staging row), in the masked-copy accounting (module doc of
+        runtime/devicestep.py: the CPU fallback copies fixed-width rows)."""
+        self.observe()
+        return [[n * expert_bytes for n in row] for row in self.copies]
+
+    def reset_stats(self) -> None:
+        self.observe()
+        self.lagged.reset_stats()
+        self.copies = [[0] * self.step.num_layers for _ in range(2)]
+
+
+def slots_kernel(module: torch.nn.Module, pool: dict[str, torch.Tensor], transposed: bool):
+    """``kernel(x [T, H], weights [T, K], rows [T, K]) -> [T, H]``: every pair on the pool's row,
+    one grouped matmul per projection over all S + R rows; fixed shapes, no host read."""
+    first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+
+    def kernel(x: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # T tokens, K top-k, N = T*K pairs, S+R pool rows, H hidden
+        w_up, w_down = pool[first], pool["down_proj"]
+        T, K = rows.shape
+        flat = rows.reshape(-1).long()                                       # [N]
+        order, perm = torch.sort(flat, stable=True)                          # [N] pairs by row
+        counts = torch.zeros(w_up.shape[0], dtype=torch.int32, device=flat.device)
+        counts = counts.scatter_add(0, order, torch.ones_like(order, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)                    # [S+R]
+        xs = x[perm // K].to(w_up.dtype)                                     # [N, H]
+        proj = _mm(xs, w_up, offs, order, transposed)
+        if first + "_bias" in pool:
+            proj = proj + pool[first + "_bias"][order]
+        out = _mm(_activate(module, proj), w_down, offs, order, transposed)
+        if "down_proj_bias" in pool:
+            out = out + pool["down_proj_bias"][order]
+        if getattr(module, "has_post_expert_norm", False):
+            out = module.post_expert_norm(out)
+        out = out * weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)   # [N, H]
+        full = out.new_zeros(T * K, out.shape[-1]).index_copy(0, perm, out)  # back in pair order
+        return full.view(T, K, -1).sum(dim=1).to(x.dtype)                    # [T, H]
+
+    return kernel
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor,
+        transposed: bool) -> torch.Tensor:
+    """Row-sorted ``x`` [N, in] times the weights of each pair's row (``order`` [N] rows, sorted;
+    ``offs``: group ends over ``w`` [S+R, ...]): one grouped matmul, reading the weights in place
+    (bf16 on CUDA; any dtype on the CPU in eager mode). Where grouped_mm refuses the dtype (other
+    dtypes on CUDA; float32 traced by torch.compile) a gather of the N rows' weights and a
+    batched matmul, fixed shapes too (measured 3x slower in CPU decode: it copies the weights)."""
+    w = w if transposed else w.transpose(-2, -1)                          # [S+R, in, out]
+    if (w.device.type == "cuda" and w.dtype == torch.bfloat16) or \
+            (w.device.type == "cpu" and not torch.compiler.is_compiling()):
+        return torch.nn.functional.grouped_mm(x, w, offs=offs)
+    return torch.bmm(x.unsqueeze(1), w.index_select(0, order)).squeeze(1)  # [N, out]
