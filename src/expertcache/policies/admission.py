@@ -55,3 +55,13 @@ class Window(AdmissionPolicy):
         if n < 1 or w < 1:
             raise ValueError("parameters 'n' and 'w' of policy 'window' must be at least 1")
         self.n, self.w = n, w
+
+
+@register
+class Oracle(AdmissionPolicy):
+    name = "oracle"
+    kernel = 4  # ORACLE
+    description = ("offline: admit a miss only if the victim's next use is later than the key's "
+                   "(belady+oracle = MIN with bypass, the true optimum); replays only")
+    records = False
+    needs_future = True

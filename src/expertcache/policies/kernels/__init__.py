@@ -48,6 +48,7 @@ def kernel_module(eviction_cls):
 
 
 def admission_args(admission_cls, params: dict) -> tuple:
-    """``(rule, ghost, n_uses, window)`` for ``skeleton.admission_state``."""
+    """``(rule, ghost, n_uses, window)`` for ``skeleton.admission_state`` (an oracle rule's
+    future comes later, with ``bind_future``)."""
     return (admission_cls.kernel, int(params.get("ghost", 1)), int(params.get("n", 1)),
             int(params.get("w", 1)))

@@ -26,15 +26,21 @@ class Kernel:
         self.sc = skeleton.scratch(num_layers, nkeys, parts, self.width)
         buffer = np.empty(self.width, np.int32)
         self.rows = [buffer[:n] for n in range(self.width + 1)]  # the step's keys, by count
-        self.adm = Admission(admission_cls, admission_params, nkeys, parts).adm
+        self.admission = Admission(admission_cls, admission_params, nkeys, parts, self.width)
+        if admission_cls.needs_future:  # MIN with bypass: ties need the later uses (belady)
+            policy.ties_by_future = True
+        self.adm = self.admission.adm
         self.st = None if policy.needs_future else self._state()
 
     def _state(self) -> tuple:
         return self.module.state(self.policy, self.L * self.E, self.parts, self.cap, self.width)
 
     def bind_future(self, future) -> None:
-        self.policy.bind_future(future)
-        self.st = self._state()
+        if self.policy.needs_future:
+            self.policy.bind_future(future)
+            self.st = self._state()
+        self.admission.bind_future(future, self.L * self.E)
+        self.adm = self.admission.adm
 
     @property
     def counts(self) -> np.ndarray:
@@ -67,9 +73,21 @@ class Kernel:
 class Admission:
     """A built-in admission rule's state, for tables whose eviction policy is a plug-in."""
 
-    def __init__(self, admission_cls, admission_params: dict, nkeys: int, parts: int) -> None:
-        rule, ghost, n_uses, window = admission_args(admission_cls, admission_params)
-        self.adm = skeleton.admission_state(rule, nkeys, parts, ghost, n_uses, window)
+    def __init__(self, admission_cls, admission_params: dict, nkeys: int, parts: int,
+                 width: int = 1) -> None:
+        self.args = (*admission_args(admission_cls, admission_params), width)
+        self.nkeys, self.parts = nkeys, parts
+        self.adm = self._state(None)
+
+    def _state(self, future: tuple | None) -> tuple:
+        rule, ghost, n_uses, window, width = self.args
+        return skeleton.admission_state(rule, self.nkeys, self.parts, ghost, n_uses, window,
+                                        future, width)
+
+    def bind_future(self, future, nkeys: int) -> None:
+        """The future an ``oracle`` rule reads (``policies.belady.Future``); a fresh state."""
+        if self.args[0] == skeleton.ORACLE:
+            self.adm = self._state(future.arrays(nkeys)[:2])
 
     def answers(self, keys: list[int], p: int, token: int) -> list[int]:
         """Record the step's accesses; per key NO / FREE_ONLY / YES, should it miss."""
