@@ -60,8 +60,8 @@ def _replay_and_check(w, eviction, admission):
         table = SlotTable(w["layers"], w["experts"], w["slots"], eviction=eviction,
                           admission=admission, partition=w["partition"], top_k=w["top_k"],
                           pinned=w["pinned"])
-    except ValueError as e:  # 'oracle' needs a built-in eviction policy: refused, and said so
-        assert admission == "oracle" and "plug-in" in str(e)
+    except ValueError as e:  # oracle, freq need a built-in eviction policy: refused, and said so
+        assert admission in ("oracle", "freq") and "plug-in" in str(e)
         assume(False)
     E = w["experts"]
     if table.needs_future:

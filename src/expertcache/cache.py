@@ -139,12 +139,12 @@ class SlotTable:
                                  "built-in (compiled); use a built-in admission rule")
             from .policies.kernels.table import Kernel
             self._kernel = Kernel(policies[0], type(adm_policy), _params(adm_policy),
-                                  num_layers, num_experts, len(shares), shares[0][1])
+                                  num_layers, num_experts, len(shares), shares[0][1], top_k)
             self._parts = [_Partition(start, cap) for start, cap in shares]
         else:
-            if adm_policy.needs_future:
-                raise ValueError(f"admission {adm_policy.name!r} compares the victim's next use "
-                                 f"with the key's: it runs with built-in eviction policies only, "
+            if adm_policy.compares_victim:
+                raise ValueError(f"admission {adm_policy.name!r} weighs the key against the "
+                                 f"victim: it runs with built-in eviction policies only, "
                                  f"and {policies[0].name!r} is a plug-in")
             if compiled(type(adm_policy)):
                 from .policies.kernels.table import Admission

@@ -119,7 +119,9 @@ def resolve_policy(spec: str | PolicyPair | ReplayPolicy, eviction_params: dict 
                           admission_spec(pair.admission.name, admission_params))
     label = label or (spec.strip() if isinstance(spec, str) else str(pair))
     if pair.eviction.name == "default":
-        label = label.replace("default", f"default ({_aliased(pair.eviction.cls)})", 1)
+        own = getattr(pair.eviction.cls, "admission", None)
+        own = f"+{own.split(':')[0]}" if own and pair.admission.name == "always" else ""
+        label = label.replace("default", f"default ({_aliased(pair.eviction.cls)}{own})", 1)
     return ReplayPolicy(pair, label)
 
 
@@ -317,7 +319,10 @@ def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int)
     from ..policies.kernels.table import Admission
     policy = spec.policy(cap)
     nkeys, width = prep.L * prep.E, prep.keys.shape[1]
-    admission = Admission(spec.admission_cls, spec.admission_params, nkeys, parts, width)
+    from ..policies.kernels import implied_admission
+    admission = Admission(*implied_admission(spec.eviction_cls, spec.admission_cls,
+                                             spec.admission_params),
+                          nkeys, parts, width, prep.trace.top_k)
     if policy.needs_future or spec.spec.admission.needs_future:
         # the kernel replays ``keys``' rows: their future, built compiled
         starts, uses, nexts = prep.future_arrays

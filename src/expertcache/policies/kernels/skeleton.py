@@ -35,7 +35,10 @@ file: after editing this file, ``lists.py`` or ``heap.py``, clear the kernels'
 Admission is part of the step, chosen by the rule code ``adm[0]``
 (``AdmissionPolicy.kernel``): ``ALWAYS``; ``NEVER``; ``SECOND_HIT`` keeps a ghost LRU
 list of ``ghost`` keys per partition, touched by every access; ``WINDOW`` admits a key
-used ``n_uses`` times within its layer's last ``window`` steps. Either of the last two
+used ``n_uses`` times within its layer's last ``window`` steps; ``FREQ`` (TinyLFU-style)
+counts every key's accesses, halving all counts every ``reset`` accesses, and in a step of
+more than ``narrow`` keys (a batch) admits a miss only if its key's count beats the
+victim's. Either of the last two
 only decides when the miss would evict. ``ORACLE`` reads the future (replays only, as
 ``belady`` does): a miss that would evict is admitted only if the victim's next use is later
 than the key's, and a step's keys are taken nearest next use first, so that the keys a full
@@ -50,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-ALWAYS, SECOND_HIT, WINDOW, NEVER, ORACLE = 0, 1, 2, 3, 4
+ALWAYS, SECOND_HIT, WINDOW, NEVER, ORACLE, FREQ = 0, 1, 2, 3, 4, 5
 ACC, HIT, MISS, LOAD, EVICT, BYPASS = range(6)
 # out[0, j]: what happened to the step's key j (PAD: no key in that column).
 PAD, IS_HIT, IS_LOAD, IS_BYPASS = -1, 0, 1, 2
@@ -75,10 +78,12 @@ def scratch(L: int, nkeys: int, parts: int, width: int) -> tuple:
 
 
 def admission_state(rule: int, nkeys: int, parts: int, ghost: int = 1, n_uses: int = 1,
-                    window: int = 1, future: tuple | None = None, width: int = 1) -> tuple:
+                    window: int = 1, future: tuple | None = None, width: int = 1,
+                    reset: int = 1, narrow: int = 0) -> tuple:
     """``adm``: the rule code, its parameters and its arrays (sized 1 when unused).
     ``future`` is ``(starts, uses)`` (``Future.arrays``) for ``ORACLE``, ``width`` the widest
-    step it will see."""
+    step it will see; ``FREQ`` counts halve every ``reset`` accesses and steps of at most
+    ``narrow`` keys skip its comparison."""
     ghosts = nkeys if rule == SECOND_HIT else 1
     ring = nkeys if rule == WINDOW else 1
     if future is None:
@@ -94,7 +99,10 @@ def admission_state(rule: int, nkeys: int, parts: int, ghost: int = 1, n_uses: i
             np.full((ring, max(n_uses, 1)), -(1 << 40), np.int64), np.zeros(ring, np.int64),
             # oracle: every key's use steps (CSR), a cursor per key, the step's visit order
             # and its keys' next uses
-            starts, uses, starts[:-1].copy(), np.zeros(wide, np.int32), np.zeros(wide, np.int64))
+            starts, uses, starts[:-1].copy(), np.zeros(wide, np.int32), np.zeros(wide, np.int64),
+            # freq: every key's access count, halved each ``reset`` accesses; accesses since
+            np.zeros(nkeys if rule == FREQ else 1, np.int64), np.zeros(1, np.int64),
+            np.int64(max(reset, 1)), np.int64(narrow))
 
 
 FAR = 1 << 62  # next use of a key never used again (policies.belady.NEVER)
@@ -134,6 +142,19 @@ def later(a, b, s, adm):
 
 
 @njit(inline="always")
+def _count(key, adm):
+    """``FREQ``: one more access of ``key``; every ``reset`` accesses all counts halve (the
+    TinyLFU reset: old popularity fades)."""
+    counts, total, reset = adm[17], adm[18], adm[19]
+    counts[key] += 1
+    total[0] += 1
+    if total[0] >= reset:
+        total[0] = 0
+        for k in range(counts.shape[0]):
+            counts[k] >>= 1
+
+
+@njit(inline="always")
 def _evicts(victim, key, key_next, s, adm):
     """``ORACLE``: whether ``key`` is worth ``victim``'s slot (the victim is needed later)."""
     v = next_use(victim, s, adm)
@@ -166,6 +187,9 @@ def admission(key, p, token, adm, rule):
     is ``adm[0]``, passed apart so that a caller can make it a constant."""
     _, ghost, n_uses, window_steps, gprev, gnext, ghead, gtail, gsize, in_ghost, uses, nuse = adm[:12]
     if rule == ALWAYS or rule == ORACLE:  # the oracle decides once it knows the victim
+        return YES
+    if rule == FREQ:                      # so does freq; here it counts
+        _count(key, adm)
         return YES
     if rule == NEVER:
         return NO
@@ -227,6 +251,12 @@ def _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
         if row[j] >= 0:
             stamp[row[j]] = s
     acc = hit = evict = bypass = 0
+    weigh = False
+    if rule == FREQ:  # one token's keys (a single stream) are admitted: recency rules there
+        n = 0
+        for j in range(K):
+            n += row[j] >= 0
+        weigh = n > adm[20]
     if live:
         for j in range(K):
             out[1, j] = -1
@@ -263,6 +293,9 @@ def _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
                 continue
             if rule == ORACLE and not _evicts(victim, key, adm[16][jj], s, adm):
                 bypass += 1      # the victim is needed no later than the key: keep it
+                continue
+            if rule == FREQ and weigh and adm[17][key] <= adm[17][victim]:
+                bypass += 1      # the victim was used as often: a sweep must not flush it
                 continue
             on_evict(victim, p, st)
             resident[victim] = False
