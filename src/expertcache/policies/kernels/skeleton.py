@@ -35,15 +35,15 @@ file: after editing this file, ``lists.py`` or ``heap.py``, clear the kernels'
 Admission is part of the step, chosen by the rule code ``adm[0]``
 (``AdmissionPolicy.kernel``): ``ALWAYS``; ``NEVER``; ``SECOND_HIT`` keeps a ghost LRU
 list of ``ghost`` keys per partition, touched by every access; ``WINDOW`` admits a key
-used ``n_uses`` times within its layer's last ``window`` steps; ``FREQ`` (TinyLFU-style)
-counts every key's accesses, halving all counts every ``reset`` accesses, and in a step of
-more than ``narrow`` keys (a batch) admits a miss only if its key's count beats the
-victim's. Either of the last two
-only decides when the miss would evict. ``ORACLE`` reads the future (replays only, as
-``belady`` does): a miss that would evict is admitted only if the victim's next use is later
-than the key's, and a step's keys are taken nearest next use first, so that the keys a full
-step keeps are the ones needed soonest (with ``belady`` eviction: MIN with bypass, the
-optimum of a cache that may stage a miss without caching it). ``replay`` holds a copy of the loop for
+used ``n_uses`` times within its layer's last ``window`` steps. Either only decides when
+the miss would evict. ``FREQ`` (TinyLFU-style) counts every key's accesses, halving all
+counts every ``reset`` accesses, and in a step of more than ``narrow`` keys (a batch)
+admits a miss that would evict only if its key's count beats the victim's. ``ORACLE``
+reads the future (replays only, as ``belady`` does): a miss that would evict is admitted
+only if the victim is needed later than the key, and a step's keys are taken soonest
+needed first, so that a full step keeps the keys needed soonest (with ``belady``
+eviction: MIN with bypass, the optimum of a cache that may stage a miss without caching
+it). Both decide once the victim is known, in the step below. ``replay`` holds a copy of the loop for
 ``always`` with the rule a constant (a run-time rule cost an LRU replay 15-25%) and one
 for the others; ``step``, one call per step of a live table, reads the rule at run time.
 """
