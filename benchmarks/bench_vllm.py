@@ -54,11 +54,15 @@ PIECEWISE = {"cudagraph_mode": "PIECEWISE",  # CUDA graphs with the MoE op outsi
                                "vllm::moe_forward", "vllm::moe_forward_shared"]}
 
 
-def engine(path: str, fraction: float | None, device: str, piecewise: bool = False):
-    """One in-process vLLM engine; ``fraction`` of the experts in slots, None: no plug-in."""
+def engine(path: str, fraction: float | None, device: str, piecewise: bool = False,
+           policy: str | None = None):
+    """One in-process vLLM engine; ``fraction`` of the experts in slots, None: no plug-in;
+    ``policy`` the plug-in's eviction policy (its default when None)."""
     from vllm import LLM
 
     extra = {} if fraction is None else {"expertcache": {"slots": round(fraction * LAYERS * EXPERTS)}}
+    if policy is not None and fraction is not None:
+        extra["expertcache"]["eviction"] = policy
     kwargs = dict(gpu_memory_utilization=0.3) if device == "cuda" else \
         dict(gpu_memory_utilization=0.2, kv_cache_memory_bytes=1 << 28, distributed_executor_backend="uni")
     if piecewise:
@@ -141,6 +145,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: the vLLM rows only, on a CUDA build of vLLM (benchmarks/gpu_check.sh)")
     ap.add_argument("--json", default=str(RESULTS))
+    ap.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS),
+                    help="shares of the experts in slots, one plug-in row each")
+    ap.add_argument("--policies", nargs="+", default=["default"],
+                    help="eviction policies, side by side at every fraction (e.g. default next-use: "
+                         "the batch-aware default against the old one)")
+    ap.add_argument("--skip-runtime", action="store_true",
+                    help="only the vLLM rows (no expertcache generate / serve)")
     args = ap.parse_args()
     import torch
     from bench_serve import save_model
@@ -155,11 +166,13 @@ def main() -> None:
         # (one plug-in session per process at a time, so configurations follow each other)
         ref = engine(str(path), None, args.device)
         rows = {}
-        configs = [(f"vllm+expertcache {f:.0%}", f, False) for f in FRACTIONS]
+        named = len(args.policies) > 1 or args.policies != ["default"]
+        configs = [(f"vllm+expertcache {f:.0%}" + (f" {p}" if named else ""), f, False, p)
+                   for f in args.fractions for p in args.policies]
         if args.device == "cuda":  # the graph mode that keeps the plan per step
-            configs.append(("vllm+expertcache 50% piecewise", 0.5, True))
-        for name, fraction, piecewise in configs:
-            llm = engine(str(path), fraction, args.device, piecewise)
+            configs.append(("vllm+expertcache 50% piecewise", 0.5, True, "default"))
+        for name, fraction, piecewise, policy in configs:
+            llm = engine(str(path), fraction, args.device, piecewise, policy)
             rows[name] = {"levels": paired(ref, llm, args.tokens, args.repeats)}
             del llm
             gc.collect()
@@ -168,13 +181,14 @@ def main() -> None:
         del ref
         gc.collect()
         cleanup_dist_env_and_memory()
-        if args.device == "cpu":
+        if args.device == "cpu" and not args.skip_runtime:
             rows["expertcache generate 50%"] = run_generate(str(path), args.tokens, tmp)
             rows["expertcache serve 50%"] = run_serve(str(path), args.tokens)
     doc = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                        "note": "shared 2-core VM, loaded by other agents' jobs at times: each ratio "
                                "to vLLM is paired round by round, the tok/s medians are not"},
+           "command": "benchmarks/bench_vllm.py " + " ".join(sys.argv[1:]),
            "settings": {"tokens": args.tokens, "repeats": args.repeats, "prompt_tokens": 16, "levels": LEVELS,
                         "model": "Qwen3-MoE hidden 256, 4 MoE layers, 32 experts, top-4, float32 (random)",
                         "vllm_mode": "in-process engines, eager; each plug-in engine paired round by round with one plain engine"},
