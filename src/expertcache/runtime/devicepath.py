@@ -36,7 +36,9 @@ def device_planner_refusal(cache) -> str | None:
         return f"slot format {cache.slot_format!r}: the device step stages plain (float) experts only"
     if cache.miss != "fetch":
         return f"miss path {cache.miss!r} computes misses on the host; the device step fetches them"
-    if cache.pool.staging < max(1, cache.config.staging_blocks):
+    if cache.pool.staging == 0:
+        return "the pool has no staging rows (every expert is resident: nothing to plan)"
+    if cache.pool.staging < cache.config.staging_blocks:
         return (f"staging_blocks={cache.config.staging_blocks} needs as many staging rows; the pool "
                 f"has {cache.pool.staging}")
     return None
