@@ -24,7 +24,7 @@ import torch
 
 from ..lagged import LaggedTable
 from ..stats import DECODE, Stats
-from .compute import _activate
+from .compute import GROUPED_MM, _activate, fast_grouped_mm
 from .devicestep import DeviceStep, LaggedDriver
 
 
@@ -127,11 +127,15 @@ def _mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tenso
         transposed: bool) -> torch.Tensor:
     """Row-sorted ``x`` [N, in] times the weights of each pair's row (``order`` [N] rows, sorted;
     ``offs``: group ends over ``w`` [S+R, ...]): one grouped matmul, reading the weights in place
-    (bf16 on CUDA; any dtype on the CPU in eager mode). Where grouped_mm refuses the dtype (other
-    dtypes on CUDA; float32 traced by torch.compile) a gather of the N rows' weights and a
-    batched matmul, fixed shapes too (measured 3x slower in CPU decode: it copies the weights)."""
+    (CUDA: only where torch has its fast kernel, bf16 on sm90/sm100, ``compute.fast_grouped_mm``;
+    elsewhere its grouped matmul is a loop that reads the offsets back, a sync; any dtype on the
+    CPU in eager mode). Otherwise (and for float32 traced by torch.compile) a gather of the N rows'
+    weights and a batched matmul, fixed shapes too (measured 3x slower in CPU decode: it copies
+    the weights). Not yet run on a GPU: a pool past 2^31 weight elements in one grouped call is
+    what gpu_check's real-size device rows exercise."""
     w = w if transposed else w.transpose(-2, -1)                          # [S+R, in, out]
-    if (w.device.type == "cuda" and w.dtype == torch.bfloat16) or \
-            (w.device.type == "cpu" and not torch.compiler.is_compiling()):
-        return torch.nn.functional.grouped_mm(x, w, offs=offs)
+    cuda = w.device.type == "cuda"
+    if (cuda and fast_grouped_mm("cuda", w.dtype, torch.cuda.get_device_capability(w.device))) or \
+            (not cuda and not torch.compiler.is_compiling()):
+        return GROUPED_MM(x, w, offs=offs)
     return torch.bmm(x.unsqueeze(1), w.index_select(0, order)).squeeze(1)  # [N, out]
