@@ -57,7 +57,7 @@ ROWS = [  # most valuable first: the step's timeout may cut the tail
     ("50% auto", dict(fraction=0.5, miss="auto")),
 ]
 DEVICE_ROWS = [  # planner='device' against the host-planned rows above (issue 26), when it exists
-    ("resident, device planner", dict(baseline="resident", planner="device")),
+    ("100% fetch, device planner", dict(fraction=1.0, miss="fetch", planner="device")),
     ("25% fetch, device planner", dict(fraction=0.25, miss="fetch", planner="device")),
     ("50% fetch, device planner", dict(fraction=0.5, miss="fetch", planner="device")),
 ]
