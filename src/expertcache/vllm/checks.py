@@ -12,6 +12,9 @@ with the MoE op outside them run the plan each step.
 from __future__ import annotations
 
 MOE_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
+# unquantized backends whose weight processing runs on host tensors and whose kernel takes
+# any expert count (TRITON sizes moe_align_block_size by it; CPU indexes rows directly)
+HOST_SAFE_BACKENDS = ("TRITON", "CPU")
 
 
 def check_layer(layer) -> None:
@@ -32,6 +35,16 @@ def check_layer(layer) -> None:
     if moe.has_bias:
         raise ValueError(f"expertcache: {layer.layer_name}: experts with biases are not pooled yet; "
                          "the plug-in caches bias-free experts (Qwen3-MoE, Mixtral, DeepSeek, OLMoE)")
+    if getattr(layer.expert_map_manager, "num_fused_shared_experts", 0):
+        raise ValueError(f"expertcache: {layer.layer_name}: vLLM fused the shared experts into the routed "
+                         "experts (ROCm AITER); the plug-in pools routed experts only: run without "
+                         "shared-expert fusion")
+    backend_name = getattr(qm.unquantized_backend, "name", str(qm.unquantized_backend))
+    if backend_name not in HOST_SAFE_BACKENDS:
+        raise ValueError(f"expertcache: {layer.layer_name}: unquantized MoE backend {backend_name}: the "
+                         "plug-in repacks experts on the host and calls the kernel with the pool's row "
+                         f"count, read and tested for {', '.join(HOST_SAFE_BACKENDS)} only; on CUDA pass "
+                         "--moe-backend triton")
     par = moe.moe_parallel_config
     if par.use_ep or par.dp_size > 1:
         raise ValueError("expertcache: expert or data parallelism splits the experts over ranks; "

@@ -15,7 +15,7 @@ import torch
 
 from ..cache import SlotTable
 from ..runtime.stats import LiveStats
-from .pool import HostExperts, SlotPool
+from .pool import HostExperts, SlotPool, check_pool_fits
 from .settings import Settings
 
 _current: Session | None = None
@@ -36,6 +36,7 @@ class Session:
     def __init__(self, settings: Settings, vllm_config) -> None:
         self.settings, self.config = settings, settings.cache
         self.vllm_config = vllm_config
+        self.device = torch.device(vllm_config.device_config.device)  # where the pool lives
         self.layers: list[torch.nn.Module] = []
         self.hosts: list[HostExperts | None] = []
         self.top_k = self.num_experts = None
@@ -61,7 +62,12 @@ class Session:
         return len(self.layers) - 1
 
     def take_weights(self, index: int, layer) -> None:
-        """After vLLM repacked ``layer``'s experts: keep them on the host, give the layer the pool."""
+        """After vLLM repacked ``layer``'s experts (on the host): keep them there, give the layer the pool."""
+        if layer.quant_method.mk_can_overlap_shared_experts:
+            # the kernel would run the shared experts inside it, and step.py calls it without them
+            raise ValueError(f"expertcache: {layer.layer_name}: vLLM chose a prepare/finalize that runs "
+                             "the shared experts inside the experts kernel (expert or data parallelism); "
+                             "the plug-in supports neither")
         host = HostExperts.take(layer)
         if self.pool is None:
             self.pool = self._make_pool(host, layer)
@@ -88,7 +94,8 @@ class Session:
         slots = min(slots, L * E)  # more slots than experts would only waste memory
         if run.partition == "per-layer":
             slots = min(slots // L, E) * L
-        return SlotPool(host.layout(), slots, staging, layer.w13_weight.device)
+        check_pool_fits((slots + staging) * host.expert_bytes, self.device)
+        return SlotPool(host.layout(), slots, staging, self.device)
 
     def start(self) -> None:
         """The first counted step: every layer has joined and been loaded."""
