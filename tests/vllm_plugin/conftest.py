@@ -107,6 +107,31 @@ def generate(model: str, config: dict | None = None, eager: bool = True, prompts
         cleanup_dist_env_and_memory()
 
 
+def generate_sets(model: str, config: dict | None, prompt_sets, eager: bool = True):
+    """``generate`` for several batches on one engine (one start): [(tokens, logprobs)], session."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.inputs import TokensPrompt
+
+    from expertcache.vllm import session as sessions
+
+    llm = LLM(**llm_kwargs(model, eager, config))
+    try:
+        results = []
+        for prompts in prompt_sets:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+                                               detokenize=False), use_tqdm=False)
+            results.append(([list(o.outputs[0].token_ids) for o in outs],
+                             [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                              for o in outs]))
+        return results, (sessions._current if config is not None else None)
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
 @pytest.fixture(scope="session")
 def reference(tiny_model):
     """vLLM's own greedy tokens and logprobs, without the plug-in (eager)."""

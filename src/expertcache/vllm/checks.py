@@ -52,9 +52,13 @@ def check_layer(layer) -> None:
                          "--enable-expert-parallel / --data-parallel-size")
 
 
-def check_graphs(vllm_config, device_type: str) -> None:
-    """On CUDA: refuse graph modes that would freeze one step's plan."""
-    if device_type != "cuda":
+def check_graphs(vllm_config, device_type: str, planner: str = "host") -> None:
+    """On CUDA with the host planner: refuse graph modes that would freeze one step's plan.
+
+    The device planner's step is fixed-shape device work (vllm/device.py): every graph mode
+    replays it correctly, FULL_DECODE_ONLY and FULL_AND_PIECEWISE included.
+    """
+    if device_type != "cuda" or planner == "device":
         return
     comp = vllm_config.compilation_config
     mode = comp.cudagraph_mode
@@ -63,7 +67,7 @@ def check_graphs(vllm_config, device_type: str) -> None:
     split = set(comp.splitting_ops or ())
     if mode.has_full_cudagraphs() or not split.issuperset(MOE_OPS):
         raise ValueError(f"expertcache: cudagraph_mode {mode.name} would replay one step's expert plan; "
-                         "use --enforce-eager, or --compilation-config "
+                         "use planner 'device' (any graph mode), --enforce-eager, or --compilation-config "
                          "'{\"cudagraph_mode\": \"PIECEWISE\", \"splitting_ops\": [\"vllm::unified_attention\", "
                          "\"vllm::unified_attention_with_output\", \"vllm::moe_forward\", "
                          "\"vllm::moe_forward_shared\"]}' (docs/vllm.md)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-from . import checks, step
+from . import checks, device, step
 from .pool import create_on_host
 from .session import session_for
 from .settings import from_additional_config
@@ -31,10 +31,11 @@ class ExpertCacheRoutedExperts(RoutedExperts):
         super().__init__(*args, **kwargs)
         vllm_config, settings = _settings()
         self._expertcache = None
+        self._ec_device = False  # set by device.attach once the planner 'device' buffers exist
         if settings is None:
             return
         checks.check_layer(self)
-        checks.check_graphs(vllm_config, vllm_config.device_config.device.type)
+        checks.check_graphs(vllm_config, vllm_config.device_config.device.type, settings.planner)
         session = session_for(settings, vllm_config)
         index = session.join(self)
         checks.check_capacity(settings.cache.slots, settings.cache.partition, len(session.layers),
@@ -74,6 +75,8 @@ class ExpertCacheRoutedExperts(RoutedExperts):
             return super().forward_modular(x, topk_weights, topk_ids, shared_experts,
                                            shared_experts_input)
         # Shared experts already ran in the runner (no expert parallelism: checks.py).
+        if self._ec_device:  # planner 'device': fixed-shape tensor work, traced inline (device.py)
+            return device.run_layer(self, x, topk_weights, topk_ids)
         if torch.compiler.is_compiling():  # traced: one opaque node (op.py)
             return torch.ops.expertcache.vllm_moe_step(x, topk_weights, topk_ids, self.layer_name)
         # eager: the same function without the op's dispatch (about 11 us a call on the CPU)

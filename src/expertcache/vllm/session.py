@@ -32,6 +32,10 @@ def session_for(settings: Settings, vllm_config) -> Session:
     return _current
 
 
+def current_session() -> Session | None:
+    return _current
+
+
 class Session:
     def __init__(self, settings: Settings, vllm_config) -> None:
         self.settings, self.config = settings, settings.cache
@@ -50,6 +54,7 @@ class Session:
         self.warmup_steps = 0     # forward passes kept out of the statistics
         self.recorder = None
         self.telemetry = None
+        self.planner = None       # planner 'device': device.DevicePlanner, made when the last layer loaded
         self._closed = False
         atexit.register(self.close)
 
@@ -78,11 +83,21 @@ class Session:
         for kind, param in self.pool.params.items():
             delattr(layer, kind)
             layer.register_parameter(kind, param)  # the same Parameter in every layer
+        if self.settings.planner == "device" and all(h is not None for h in self.hosts):
+            self.start()  # the device step's buffers must exist before vLLM compiles and warms up
 
     def _make_pool(self, host: HostExperts, layer) -> SlotPool:
         L, E, k = len(self.layers), self.num_experts, self.top_k
         run = self.config
         staging = run.staging or k
+        if self.settings.planner == "device":
+            from .device import staging_rows
+            need = staging_rows(E, k, self.vllm_config.scheduler_config.max_num_batched_tokens)
+            if run.staging is not None and run.staging < need:
+                raise ValueError(f"expertcache: staging={run.staging}: planner 'device' stages every miss of a "
+                                 f"step, up to min(E, max_num_batched_tokens x top-k) = {need} experts; "
+                                 "drop the 'staging' key or lower --max-num-batched-tokens")
+            staging = need
         if run.gpu_memory is not None:
             slots = run.gpu_memory_bytes // host.expert_bytes - staging
             if slots < k:
@@ -108,6 +123,12 @@ class Session:
         self.slot_map = SlotMap(L, E, self.pool.device)
         if run.imatrix is not None:
             self._place_imatrix()
+        if self.settings.planner == "device":
+            from .device import DevicePlanner, attach
+            self.planner = DevicePlanner(self, self.vllm_config.scheduler_config.max_num_batched_tokens)
+            self.planner.seed()
+            for index, layer in enumerate(self.layers):
+                attach(layer, self, index)
         from .telemetry import Telemetry
         self.telemetry = Telemetry(self)
         if self.settings.record_trace:
@@ -136,7 +157,12 @@ class Session:
     def stats(self) -> LiveStats | None:
         if self.table is None:
             return None
-        return LiveStats(self.table.stats(), self.h2d, {
+        if self.planner is not None:  # live counts: the map the device used, one step behind the table
+            self.planner.flush()
+            counts, h2d = self.planner.stats(), self.planner.h2d
+        else:
+            counts, h2d = self.table.stats(), self.h2d
+        return LiveStats(counts, h2d, {
             "slot_format": "plain", "bytes_per_slot": self.hosts[0].expert_bytes,
             "bytes_per_load": self.hosts[0].expert_bytes, "host_memory": "pinned" if self.pool.cuda
             else "copy", "host_memory_reason": "vLLM's repacked expert tensors"})
@@ -148,6 +174,7 @@ class Session:
                 "staging": None if pool is None else pool.staging,
                 "slot_bytes": None if pool is None else pool.slot_bytes,
                 "steps": self.steps, "warmup_steps": self.warmup_steps,
+                "planner": self.settings.planner, "lag": None if self.planner is None else self.planner.lag,
                 "host_us_per_layer_step": 1e6 * self.host_s / max(self.steps * len(self.layers), 1),
                 "config": self.config.to_dict()}
 
