@@ -27,6 +27,8 @@ could have had inside the same forward (DESIGN.md, last section).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..stats import DECODE, FIELDS, PREFILL, Stats
@@ -184,6 +186,7 @@ def attach(layer, session, index: int) -> None:
         layer.register_buffer(f"_ec_host{i}", t, persistent=False)
     layer._ec_slots = session.pool.slots
     layer._ec_device = True
+    ACTIVE[0] = session
     _hook_model_runner()
 
 
@@ -196,6 +199,7 @@ def run_layer(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 
 
 _HOOKED = False
+ACTIVE: list = [None]  # the session whose planner runs around engine steps in this process
 
 
 def _hook_model_runner() -> None:
@@ -213,14 +217,16 @@ def _hook_model_runner() -> None:
     original = GPUModelRunner._model_forward
 
     def _model_forward(self, *args, **kwargs):
-        from .session import current_session
-        session = current_session()
-        if session is None or session.planner is None:
+        session = ACTIVE[0]
+        if session is None or session.planner is None or session.vllm_config is not self.vllm_config:
             return original(self, *args, **kwargs)
         from .step import step_context
+        t0 = time.perf_counter()
         counted, tokens, phase = step_context()
         session.planner.before_forward()
+        t1 = time.perf_counter()
         out = original(self, *args, **kwargs)
+        t2 = time.perf_counter()
         if not counted:
             session.warmup_steps += 1
             return out
@@ -229,6 +235,7 @@ def _hook_model_runner() -> None:
         session.begin_forward(tokens, phase)
         session.planner.after_forward(tokens, phase)
         session.end_forward()
+        session.host_s += (t1 - t0) + (time.perf_counter() - t2)  # the planner's host work, model excluded
         return out
 
     GPUModelRunner._model_forward = _model_forward

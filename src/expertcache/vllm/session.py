@@ -32,10 +32,6 @@ def session_for(settings: Settings, vllm_config) -> Session:
     return _current
 
 
-def current_session() -> Session | None:
-    return _current
-
-
 class Session:
     def __init__(self, settings: Settings, vllm_config) -> None:
         self.settings, self.config = settings, settings.cache
@@ -182,6 +178,11 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self.planner is not None:
+            from .device import ACTIVE
+            if ACTIVE[0] is self:
+                self.planner.flush()
+                ACTIVE[0] = None
         if self.telemetry is not None:
             self.telemetry.write()
         if self.recorder is not None:
