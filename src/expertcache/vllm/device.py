@@ -8,7 +8,9 @@ graph on the CPU (no opaque op) and can be captured in a CUDA graph:
 2. the experts that missed get staging rows ``S..S+n-1`` in ascending id order, ``n =
    min(T*K, E)`` (a shape, not a value: the most distinct experts T tokens can miss);
 3. gather those experts' rows from the host store into the staging rows (on the CPU an
-   index copy; on CUDA through a device view of the pinned host memory);
+   index copy; on CUDA through a device view of the pinned host memory). The grid is
+   fixed: n rows every step, hits included. Only eager on the CPU, where reading a
+   tensor is no device sync, copies just the missed rows (the same rows, fewer copies);
 4. remap the ids to slot or staging rows, record them for the host, call the kernel once.
 
 Exact by construction: every expert the step needs is in a slot or a staging row when the
@@ -57,10 +59,15 @@ def layer_step(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     missed.index_put_((ids.reshape(-1),), miss.reshape(-1).to(torch.int32), accumulate=True)
     need = missed > 0                                             # [E] experts to stage
     staged = slots - 1 + torch.cumsum(need.to(torch.int32), 0)    # [E] staging row of a needed expert
-    n = min(T * K, E)                                             # fixed by the shape
-    order = torch.sort((~need).to(torch.int8), stable=True).indices[:n]  # [n] needed experts first
+    if ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        # eager on the CPU: reading a CPU tensor is no device sync, so copy the missed rows only
+        order = need.nonzero().reshape(-1)                        # [misses] ascending ids
+        n = order.shape[0]
+    else:  # traced or on CUDA: a fixed grid, n = the most distinct experts T tokens can miss
+        n = min(T * K, E)
+        order = torch.sort((~need).to(torch.int8), stable=True).indices[:n]  # [n] needed first, ascending
     for host, rows in zip(hosts, pool):
-        rows[slots:slots + n] = host[order]                       # fixed grid: n rows every step
+        rows[slots:slots + n] = host[order]                       # staging rows S..S+n-1
     remapped = torch.where(miss, staged[ids].to(slot.dtype), slot)  # [T, K] slot or staging row
     record[:T] = topk_ids
     return kernel(x, topk_weights, remapped.to(topk_ids.dtype))
