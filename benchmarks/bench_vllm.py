@@ -20,7 +20,7 @@ to vLLM is the median of the per-round ratios. Hit rates are the plug-in's count
 timed runs.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--tokens 64] [--repeats 6] [--planners host,device]
-        [--no-runtime]
+        [--no-runtime] [--compiled]
 
 Writes benchmarks/results/vllm_cpu.json.
 """
@@ -57,7 +57,8 @@ PIECEWISE = {"cudagraph_mode": "PIECEWISE",  # CUDA graphs with the MoE op outsi
                                "vllm::moe_forward", "vllm::moe_forward_shared"]}
 
 
-def engine(path: str, fraction: float | None, device: str, piecewise: bool = False, planner: str = "host"):
+def engine(path: str, fraction: float | None, device: str, piecewise: bool = False, planner: str = "host",
+           compiled: bool = False):
     """One in-process vLLM engine; ``fraction`` of the experts in slots, None: no plug-in."""
     from vllm import LLM
 
@@ -67,7 +68,7 @@ def engine(path: str, fraction: float | None, device: str, piecewise: bool = Fal
         dict(gpu_memory_utilization=0.2, kv_cache_memory_bytes=1 << 28, distributed_executor_backend="uni")
     if piecewise:
         kwargs["compilation_config"] = PIECEWISE
-    return LLM(model=path, dtype="float32", enforce_eager=not piecewise, max_model_len=512, max_num_seqs=4,
+    return LLM(model=path, dtype="float32", enforce_eager=not (piecewise or compiled), max_model_len=512, max_num_seqs=4,
                seed=0, additional_config=extra, **kwargs)
 
 
@@ -146,6 +147,8 @@ def main() -> None:
                     help="cuda: the vLLM rows only, on a CUDA build of vLLM (benchmarks/gpu_check.sh)")
     ap.add_argument("--planners", default="host,device", help="comma-separated: host, device")
     ap.add_argument("--no-runtime", action="store_true", help="skip the expertcache generate / serve rows")
+    ap.add_argument("--compiled", action="store_true",
+                    help="every vLLM engine compiled (vLLM's default; slower to start) instead of eager")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args()
     import torch
@@ -159,7 +162,7 @@ def main() -> None:
         save_model(path)
         # plain vLLM stays alive; each plug-in configuration runs beside it, round by round
         # (one plug-in session per process at a time, so configurations follow each other)
-        ref = engine(str(path), None, args.device)
+        ref = engine(str(path), None, args.device, compiled=args.compiled)
         rows = {}
         planners = args.planners.split(",")
         configs = [(f"vllm+expertcache {f:.0%}" + ("" if p == "host" else f" {p}"), f, False, p)
@@ -167,7 +170,7 @@ def main() -> None:
         if args.device == "cuda" and "host" in planners:  # the graph mode that keeps the plan per step
             configs.append(("vllm+expertcache 50% piecewise", 0.5, True, "host"))
         for name, fraction, piecewise, planner in configs:
-            llm = engine(str(path), fraction, args.device, piecewise, planner)
+            llm = engine(str(path), fraction, args.device, piecewise, planner, args.compiled)
             rows[name] = {"levels": paired(ref, llm, args.tokens, args.repeats)}
             del llm
             gc.collect()
@@ -186,7 +189,8 @@ def main() -> None:
            "settings": {"tokens": args.tokens, "repeats": args.repeats, "prompt_tokens": 16, "levels": LEVELS,
                         "model": "Qwen3-MoE hidden 256, 4 MoE layers, 32 experts, top-4, float32 (random)",
                         "planners": args.planners,
-                        "vllm_mode": "in-process engines, eager; each plug-in engine paired round by round with one plain engine"},
+                        "vllm_mode": f"in-process engines, {'compiled' if args.compiled else 'eager'}; each plug-in "
+                                     "engine paired round by round with one plain engine"},
            "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=1))
