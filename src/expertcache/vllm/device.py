@@ -9,8 +9,10 @@ graph on the CPU (no opaque op) and can be captured in a CUDA graph:
    min(T*K, E)`` (a shape, not a value: the most distinct experts T tokens can miss);
 3. gather those experts' rows from the host store into the staging rows (on the CPU an
    index copy; on CUDA through a device view of the pinned host memory). The grid is
-   fixed: n rows every step, hits included. Only eager on the CPU, where reading a
-   tensor is no device sync, copies just the missed rows (the same rows, fewer copies);
+   fixed: n rows every step. On CUDA a Triton kernel (stage.py) returns at once in the
+   grid rows past the step's miss count (a device value), so only misses cross the bus;
+   traced on the CPU, plain indexing copies all n rows; eager on the CPU, where reading a
+   tensor is no device sync, only the missed rows are copied (the same rows);
 4. remap the ids to slot or staging rows, record them for the host, call the kernel once.
 
 Exact by construction: every expert the step needs is in a slot or a staging row when the
@@ -43,8 +45,11 @@ def staging_rows(num_experts: int, top_k: int, max_tokens: int) -> int:
 
 def layer_step(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                slot_row: torch.Tensor, hosts: tuple[torch.Tensor, ...], pool: tuple[torch.Tensor, ...],
-               record: torch.Tensor, slots: int, kernel) -> torch.Tensor:
+               record: torch.Tensor, slots: int, kernel, stage=None) -> torch.Tensor:
     """One MoE layer step on the device; ``kernel(x, weights, rows) -> [T, H]`` runs on the pool.
+
+    ``stage(dst, src, order, count)``: the staging copy that skips rows past ``count``
+    (stage.stage_rows on CUDA); None: plain indexing, the whole grid.
 
     x [T, H]; topk_weights [T, K]; topk_ids [T, K] int32 (expert ids 0..E-1);
     slot_row [E] int32 (slot, or -1); hosts / pool: per weight kind [E, ...] / [S + R, ...];
@@ -66,8 +71,13 @@ def layer_step(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     else:  # traced or on CUDA: a fixed grid, n = the most distinct experts T tokens can miss
         n = min(T * K, E)
         order = torch.sort((~need).to(torch.int8), stable=True).indices[:n]  # [n] needed first, ascending
-    for host, rows in zip(hosts, pool):
-        rows[slots:slots + n] = host[order]                       # staging rows S..S+n-1
+    if stage is not None:  # CUDA: the grid's rows past the miss count are skipped (stage.py)
+        count = need.sum(dtype=torch.int32)                       # 0-dim, stays on the device
+        for host, rows in zip(hosts, pool):
+            stage(rows[slots:slots + n], host, order, count)
+    else:
+        for host, rows in zip(hosts, pool):
+            rows[slots:slots + n] = host[order]                   # staging rows S..S+n-1
     remapped = torch.where(miss, staged[ids].to(slot.dtype), slot)  # [T, K] slot or staging row
     record[:T] = topk_ids
     return kernel(x, topk_weights, remapped.to(topk_ids.dtype))
@@ -192,6 +202,10 @@ def attach(layer, session, index: int) -> None:
     for i, t in enumerate(hosts):
         layer.register_buffer(f"_ec_host{i}", t, persistent=False)
     layer._ec_slots = session.pool.slots
+    layer._ec_stage = None
+    if session.pool.device.type == "cuda":
+        from .stage import stage_rows
+        layer._ec_stage = stage_rows
     layer._ec_device = True
     ACTIVE[0] = session
     _hook_model_runner()
@@ -202,7 +216,7 @@ def run_layer(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     hosts = (layer._ec_host0, layer._ec_host1)
     pool = (layer.w13_weight, layer.w2_weight)
     return layer_step(x, topk_weights, topk_ids, layer._ec_slot_row, hosts, pool, layer._ec_record,
-                      layer._ec_slots, layer._expertcache_kernel)
+                      layer._ec_slots, layer._expertcache_kernel, layer._ec_stage)
 
 
 _HOOKED = False
