@@ -96,7 +96,8 @@ class DevicePlanner:
         L, E, K = len(session.layers), session.num_experts, session.top_k
         device = session.pool.device
         self.slot_map = torch.full((L, E), -1, dtype=torch.int32, device=device)
-        self.records = torch.zeros((L, max_tokens, K), dtype=torch.int32, device=device)
+        # token-major, so that a step's first n tokens are one contiguous block to copy out
+        self.records = torch.zeros((max_tokens, L, K), dtype=torch.int32, device=device)
         self.mirror: list[dict[int, int]] = [{} for _ in range(L)]
         self.counts = [[[0] * len(FIELDS) for _ in range(L)] for _ in (PREFILL, DECODE)]
         self.h2d = [[0] * L for _ in (PREFILL, DECODE)]
@@ -113,9 +114,9 @@ class DevicePlanner:
     def after_forward(self, tokens: int, phase: int) -> None:
         """Step t ran with ``tokens`` real tokens: take its ids (non-blocking on CUDA)."""
         if self._host_records is None:  # CPU: the step is done, its decisions are made now
-            self._replay(self.records[:, :tokens].numpy(), phase)
+            self._replay(self.records[:tokens].numpy(), phase)
             return
-        self._host_records[:, :tokens].copy_(self.records[:, :tokens], non_blocking=True)
+        self._host_records[:tokens].copy_(self.records[:tokens], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._pending = (tokens, phase, self._host_records, event)
@@ -127,16 +128,16 @@ class DevicePlanner:
         self._pending = None
         if event is not None:
             event.synchronize()  # step t is done by now in all but the fastest steps
-        self._replay(records[:, :tokens].numpy(), phase)
+        self._replay(records[:tokens].numpy(), phase)
 
     # -- the policy -----------------------------------------------------------------------
     def _replay(self, ids, phase: int) -> None:
-        """``ids`` [L, n, K]: one counted step's routing of its real tokens."""
+        """``ids`` [n, L, K]: one counted step's routing of its real tokens."""
         s = self.session
         table, E, counts = s.table, s.num_experts, self.counts[phase]
         changed: dict[tuple[int, int], int] = {}
-        for layer in range(ids.shape[0]):
-            experts = list(dict.fromkeys(ids[layer].reshape(-1).tolist()))  # token-major rank order
+        for layer in range(ids.shape[1]):
+            experts = list(dict.fromkeys(ids[:, layer].reshape(-1).tolist()))  # token-major rank order
             resident = self.mirror[layer]
             hits = sum(e in resident for e in experts)
             row = counts[layer]
@@ -198,7 +199,7 @@ def attach(layer, session, index: int) -> None:
         from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
         hosts = [get_accelerator_view_from_cpu_tensor(t) for t in hosts]
     layer.register_buffer("_ec_slot_row", planner.slot_map[index], persistent=False)
-    layer.register_buffer("_ec_record", planner.records[index], persistent=False)
+    layer.register_buffer("_ec_record", planner.records[:, index], persistent=False)  # [Tmax, K] view
     for i, t in enumerate(hosts):
         layer.register_buffer(f"_ec_host{i}", t, persistent=False)
     layer._ec_slots = session.pool.slots
