@@ -29,3 +29,27 @@ def test_host_planner_runs_eager_or_piecewise_with_the_moe_ops_split_out():
     check_graphs(config("PIECEWISE", False, ("vllm::unified_attention", *MOE_OPS)), "cuda", "host")
     check_graphs(config("FULL_AND_PIECEWISE", True, eager=True), "cuda", "host")
     check_graphs(config("FULL_AND_PIECEWISE", True), "cpu", "host")  # no CUDA graphs on the CPU
+
+
+def _layer(backend: str, fused_shared: int = 0):
+    from enum import Enum
+
+    Backend = Enum("UnquantizedMoeBackend", [backend])
+    method = type("UnquantizedFusedMoEMethod", (), {"is_monolithic": False,
+                                                    "unquantized_backend": Backend[backend]})()
+    moe = SimpleNamespace(has_bias=False, moe_parallel_config=SimpleNamespace(use_ep=False, dp_size=1))
+    return SimpleNamespace(quant_method=method, quant_config=None, layer_name="model.layers.0.mlp.experts",
+                           moe_config=moe, expert_map_manager=SimpleNamespace(num_fused_shared_experts=fused_shared))
+
+
+def test_cuda_backends_other_than_triton_are_refused_by_name():
+    from expertcache.vllm.checks import check_layer
+
+    check_layer(_layer("TRITON"))
+    check_layer(_layer("CPU"))
+    for backend in ("FLASHINFER_CUTLASS", "FLASHINFER_TRTLLM", "BATCHED_TRITON", "MOONEP"):
+        with pytest.raises(ValueError) as err:
+            check_layer(_layer(backend))
+        assert f"unquantized MoE backend {backend}" in str(err.value) and "--moe-backend triton" in str(err.value)
+    with pytest.raises(ValueError, match="fused the shared experts"):
+        check_layer(_layer("TRITON", fused_shared=1))

@@ -33,7 +33,19 @@ def test_device_planner_equals_vllm(tiny_model, plain, slots, monkeypatch):
         raise AssertionError("planner 'device' ran the host planner's step")
 
     monkeypatch.setattr(step, "run", host_step)
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+
+    calls, original = [], FusedMoEKernel.apply
+
+    def spy(self, *args, **kwargs):  # the expert count and the ids each kernel call gets
+        ids = kwargs["topk_ids"]
+        calls.append((kwargs["w1"].shape[0], kwargs["global_num_experts"], int(ids.min()), int(ids.max())))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedMoEKernel, "apply", spy)
     results, session = generate_sets(tiny_model, {"slots": slots, "eviction": "lru", "planner": "device"}, SETS)
+    assert calls and all(rows == count == session.pool.rows and 0 <= low <= high < count
+                         for rows, count, low, high in calls)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(results, plain):
         assert tokens == ref_tokens
         assert logprobs == ref_logprobs  # one kernel call per layer step, on remapped rows: bit-exact
