@@ -25,8 +25,10 @@ def plain(tiny_model):
     return generate_sets(tiny_model, None, SETS)[0]
 
 
-@pytest.mark.parametrize("slots", [ALL, ALL // 2, ALL // 4], ids=["100%", "50%", "25%"])
-def test_device_planner_equals_vllm(tiny_model, plain, slots, monkeypatch):
+@pytest.mark.parametrize("slots, extra", [(ALL, {}), (ALL // 2, {}), (ALL // 4, {}),
+                                          (ALL // 2, {"partition": "per-layer", "admission": "second-hit"})],
+                         ids=["100%", "50%", "25%", "50%-per-layer-second-hit"])
+def test_device_planner_equals_vllm(tiny_model, plain, slots, extra, monkeypatch):
     from expertcache.vllm import step
 
     def host_step(*args, **kwargs):
@@ -43,7 +45,8 @@ def test_device_planner_equals_vllm(tiny_model, plain, slots, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FusedMoEKernel, "apply", spy)
-    results, session = generate_sets(tiny_model, {"slots": slots, "eviction": "lru", "planner": "device"}, SETS)
+    results, session = generate_sets(tiny_model, {"slots": slots, "eviction": "lru", "planner": "device", **extra},
+                                     SETS)
     assert calls and all(rows == count == session.pool.rows and 0 <= low <= high < count
                          for rows, count, low, high in calls)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(results, plain):
@@ -54,6 +57,7 @@ def test_device_planner_equals_vllm(tiny_model, plain, slots, monkeypatch):
     live, replay = session.stats().total(), session.table.stats().total()
     assert live == replay  # lag 1 costs nothing here: the same hits, misses, loads, evictions
     assert live.accesses > 0 and (live.misses > 0) and (slots < ALL or live.hits > live.misses)
+    assert not extra or live.bypasses > 0  # second-hit turned first misses away (served from staging)
     assert session.summary()["lag"] == 1 and session.summary()["planner"] == "device"
 
 
