@@ -56,8 +56,8 @@ def check_pool_fits(pool_bytes: int, device: torch.device, free_bytes: int | Non
         free_bytes = device_free_bytes(device)
     if free_bytes is not None and pool_bytes > free_bytes:
         raise ValueError(f"expertcache: the slot pool needs {pool_bytes / 2**30:.2f} GiB on {device} "
-                         f"but only {free_bytes / 2**30:.2f} GiB are free; lower 'slots' or "
-                         "'gpu_memory' (or vLLM's --gpu-memory-utilization, which reserves the rest)")
+                         f"but only {free_bytes / 2**30:.2f} GiB are free while loading; lower 'slots' or "
+                         "'gpu_memory' (vLLM sizes its KV cache from what is left after it)")
 
 
 def device_free_bytes(device: torch.device) -> int | None:

@@ -2,7 +2,8 @@
 
 Layers join in construction order (that order is the MoE layer index). The pool is
 made when the first layer's weights are loaded and repacked (its shape is known then);
-the table when the first counted step runs (every layer has joined by then). Warm-up,
+the table when the first counted step runs (every layer has joined by then), or with
+``planner: device`` when the last layer is loaded (device.DevicePlanner). Warm-up,
 profile and compile steps (vLLM builds no attention metadata for them) never reach the
 table: they compute on whatever the slots hold and their output is discarded.
 """
@@ -109,7 +110,9 @@ class Session:
         return SlotPool(host.layout(), slots, staging, self.device)
 
     def start(self) -> None:
-        """The first counted step: every layer has joined and been loaded."""
+        """Every layer has joined and been loaded: at the first counted step (host planner), or
+        when the last layer's weights are taken (device planner: its buffers must exist before
+        vLLM compiles and warms the model up)."""
         L, E = len(self.layers), self.num_experts
         run = self.config
         self.table = SlotTable(L, E, self.pool.slots, eviction=run.eviction, admission=run.admission,
