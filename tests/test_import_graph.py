@@ -26,7 +26,7 @@ LAYERS = [
     ("integrations", "vllm"),
     ("loaders",),
     ("runtime", "sim"),
-    ("imatrix", "costmodel"),
+    ("imatrix", "costmodel", "lagged"),
     ("ggufmodel",),
     ("quant", "config"),
     ("cache",),

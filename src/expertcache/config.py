@@ -33,6 +33,10 @@ HOST_MEMORY = ("auto", "copy", "mmap")
 # activations quantized to 8 bits, docs/cpu.md), 'torch' dequantizes then matmuls (exact),
 # 'auto' takes ggml where libggml-python is installed and the expert type has a kernel.
 CPU_KERNELS = ("auto", "ggml", "torch")
+# Who plans a decode step (docs/runtime.md): 'host' reads the routing back and plans each MoE
+# layer's step at once; 'device' looks the experts up on the device, stages its misses itself
+# and runs the policy on the host ``lag`` forwards behind (runtime/devicestep.py, lagged.py).
+PLANNERS = ("host", "device")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class CacheConfig:
     host_memory: str = "auto"
     cpu_kernel: str = "auto"            # quantized experts on the CPU: CPU_KERNELS
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
+    planner: str = "host"               # PLANNERS: who plans decode steps
+    lag: int = 1                        # planner='device': forwards the policy's decisions run behind
     # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
     eviction_params: InitVar[dict | None] = None
     admission_params: InitVar[dict | None] = None
@@ -84,6 +90,9 @@ class CacheConfig:
         self._check_choice("slot_format", self.slot_format, SLOT_FORMATS)
         self._check_choice("host_memory", self.host_memory, HOST_MEMORY)
         self._check_choice("cpu_kernel", self.cpu_kernel, CPU_KERNELS)
+        self._check_choice("planner", self.planner, PLANNERS)
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
+            raise ValueError(f"lag must be a whole number of forwards >= 1 (planner='device'), got {self.lag!r}")
         if self.device is not None and not isinstance(self.device, str):
             # accept torch.device without importing torch (frozen: set through object)
             object.__setattr__(self, "device", str(self.device))

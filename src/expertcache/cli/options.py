@@ -7,7 +7,8 @@ POLICY_HELP = ("EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]], e.g. default
 
 
 def add_cache_options(p) -> None:
-    from ..config import BASELINES, CPU_KERNELS, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, PARTITIONS, SLOT_FORMATS
+    from ..config import (BASELINES, CPU_KERNELS, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, PARTITIONS,
+                          PLANNERS, SLOT_FORMATS)
 
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="experts the device pool caches (all layers)")
@@ -37,6 +38,11 @@ def add_cache_options(p) -> None:
                    "experts are placed before the first token (docs/imatrix.md)")
     p.add_argument("--imatrix-mode", default="pin", choices=IMATRIX_MODES,
                    help="pin: never evicted, at most half the cache; seed: preloaded, evictable")
+    p.add_argument("--planner", default="host", choices=PLANNERS,
+                   help="who plans decode steps: host (routing read back per MoE layer) or device "
+                        "(lookup and staging on the device, the policy --lag forwards behind; "
+                        "docs/runtime.md)")
+    p.add_argument("--lag", type=int, default=1, help="--planner device: forwards the policy runs behind")
 
 
 def cache_config(args):
@@ -50,7 +56,8 @@ def cache_config(args):
                        miss=args.miss, baseline=args.baseline, staging=args.staging,
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
-                       host_memory=args.host_memory, cpu_kernel=args.cpu_kernel, hardware=args.hardware)
+                       host_memory=args.host_memory, cpu_kernel=args.cpu_kernel, hardware=args.hardware,
+                       planner=args.planner, lag=args.lag)
 
 
 def add_sampling_options(p, temperature: float) -> None:

@@ -56,6 +56,11 @@ def add_parser(sub) -> None:
     p.add_argument("--imatrix-mode", default="pin", choices=IMATRIX_MODES,
                    help="pin: never evicted (default: at most half the cache); seed: preloaded, evictable")
     p.add_argument("--imatrix-slots", type=int, metavar="N", help="slots the plan may take")
+    p.add_argument("--lag", metavar="N[,N...]",
+                   help="replay as planner='device' runs: the policy N forwards behind the device "
+                        "(0 = the plain replay); prints hits and experts copied per lag (sim/lag.py)")
+    p.add_argument("--lag-blocks", type=int, default=1, metavar="B",
+                   help="with --lag: staging blocks (layer l stages into block l %% B; 1 = shared)")
     p.set_defaults(func=run)
 
 
@@ -84,6 +89,10 @@ def run(args) -> int:
         fractions = _numbers(args.fraction or "0.125,0.25", float, "--fraction")
         slots = [slots_for_fraction(trace, f) for f in fractions]
     prep = Prepared(trace, None if args.steps == "auto" else args.steps)
+    if args.lag is not None:
+        from .simlag import run_lags
+        return run_lags(prep, specs, slots, args.partition, _numbers(args.lag, int, "--lag"),
+                        args.lag_blocks, args.json)
     if args.imatrix:  # placement changes every replay, so no shared sweep kernels
         from ..sim.imatrix import imatrix_replays
         results = imatrix_replays(prep, specs, slots, args.partition, args.imatrix,

@@ -120,5 +120,13 @@ def _attach(model: torch.nn.Module, cache: ExpertCache) -> None:
 def _phase_hook(cache: ExpertCache):
     """Tell the cache whether this forward is prefill (several new tokens) or decode (one)."""
     def hook(module, args, kwargs):
-        cache.set_phase(new_tokens(args, kwargs))
+        cache.set_phase(new_tokens(args, kwargs), _all_tokens(args, kwargs))
     return hook
+
+
+def _all_tokens(args: tuple, kwargs: dict) -> int | None:
+    """Tokens of a forward over the whole batch (``[B, T, ...]`` -> B x T), or None."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    return ids.shape[0] * ids.shape[1] if isinstance(ids, torch.Tensor) and ids.ndim >= 2 else None

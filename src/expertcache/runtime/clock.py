@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from ..stats import DECODE
 
 
 def new_tokens(args: tuple, kwargs: dict) -> int | None:
@@ -67,5 +66,4 @@ class ForwardClock:
         cache = getattr(self.model, "expertcache", None)
         if cache is None:
             return (0, 0, 0)
-        decode = cache.table.stats().sums(DECODE)
-        return decode["hits"], decode["accesses"], sum(cache.h2d[DECODE])
+        return cache.decode_counters()

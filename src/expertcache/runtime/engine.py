@@ -64,6 +64,18 @@ class ExpertCache:
             self._preload_all()
         elif counts is not None:
             self._place_imatrix(counts, config.imatrix_mode, run)
+        self.planner, self.planner_reason = self._planner(config)  # after placement: the map starts full
+
+    def _planner(self, config: CacheConfig):
+        """(the ``DevicePlanner`` or None, why this planner): runtime/devicepath.py."""
+        if config.planner == "host":
+            return None, "planner='host': each step's routing is read back and planned at once"
+        from .devicepath import DevicePlanner, device_planner_refusal
+        refusal = device_planner_refusal(self)
+        if refusal is not None:
+            return None, f"planner='device' refused, host planner used: {refusal}"
+        return DevicePlanner(self, config.lag), (f"planner='device': decode steps on the device, the "
+                                                 f"policy {config.lag} forward(s) behind")
 
     def _cpu_kernel(self, choice: str) -> tuple[str, str]:
         if self.codec is None:
@@ -142,8 +154,12 @@ class ExpertCache:
             return True
         return prefer_cpu(self.cost, self.hardware, tokens[expert], self.slot_format, self.kernels is not None)
 
-    def set_phase(self, seq_len: int | None) -> None:
+    def set_phase(self, seq_len: int | None, tokens: int | None = None) -> None:
+        """Before a forward: its phase from ``seq_len`` new tokens per sequence; ``tokens``: all
+        of them (batch x seq_len), which decides the device planner's path."""
         self.phase = None if seq_len is None else (PREFILL if seq_len > 1 else DECODE)
+        if self.planner is not None:
+            self.planner.begin_forward(tokens, self.phase)
 
     # -- public surface -----------------------------------------------------------
     @property
@@ -154,7 +170,12 @@ class ExpertCache:
     def stats(self) -> LiveStats:
         mode, reason = self.host_mode
         dense = report_of(self.model)
-        return LiveStats(self.table.stats(), self.h2d, {
+        table, h2d = self.table.stats(), self.h2d
+        if self.planner is not None:  # counts as the device met them (lagged.py)
+            table = self.planner.stats()
+            h2d = [[a + b for a, b in zip(mine, dev)]
+                   for mine, dev in zip(self.h2d, self.planner.h2d(self.expert_bytes))]
+        return LiveStats(table, h2d, {
             "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
             "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
             # the non-expert weights (a GGUF's lm_head, attention, embedding): runtime/cpudense.py
@@ -162,8 +183,19 @@ class ExpertCache:
             "bytes_per_slot": self.sizing.slot_bytes,
             "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason})
 
+    def decode_counters(self) -> tuple[int, int, int]:
+        """(hits, accesses, H2D bytes) of decode so far: what the forward clock snapshots."""
+        if self.planner is None:
+            decode = self.table.stats().sums(DECODE)
+            return decode["hits"], decode["accesses"], sum(self.h2d[DECODE])
+        decode = self.planner.stats().sums(DECODE)
+        return (decode["hits"], decode["accesses"],
+                sum(self.h2d[DECODE]) + sum(self.planner.h2d(self.expert_bytes)[DECODE]))
+
     def reset_stats(self) -> None:
         self.table.reset_stats()
+        if self.planner is not None:
+            self.planner.reset_stats()
         self.h2d = [[0] * self.num_layers for _ in range(2)]
 
     def report(self):

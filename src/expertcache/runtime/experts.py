@@ -36,11 +36,15 @@ def expertcache_experts_forward(module: torch.nn.Module, hidden_states: torch.Te
 def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
              top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     # T tokens, K top-k, H hidden, E experts of this layer, S pool slots (cache + staging)
+    planner = cache.planner
+    if planner is not None and planner.active:  # planner='device': no host read (devicepath.py)
+        return planner.run(layer, module, hidden, top_k_index, top_k_weights)
     want_acts = cache.miss != "fetch"
     idx_h, hidden_h, weights_h = _to_host(top_k_index, hidden, top_k_weights, want_acts)
     idx_rows = idx_h.tolist()
     phase = cache.phase if cache.phase is not None else (PREFILL if len(idx_rows) > 1 else DECODE)
-    plan = cache.table.step(layer, list(dict.fromkeys(chain.from_iterable(idx_rows))), phase)
+    experts = list(dict.fromkeys(chain.from_iterable(idx_rows)))
+    plan = cache.table.step(layer, experts, phase) if planner is None else planner.host_step(layer, experts, phase)
     base, host, pool = layer * cache.num_experts, cache.hosts[layer], cache.pool
     if cache.host_resident:  # every expert is its own row of the host's bytes: no slots, no loads,
         # no per-pair lookup (the plan above only counts the hits)

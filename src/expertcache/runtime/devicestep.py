@@ -1,0 +1,356 @@
+"""The step on the device: slot lookup, staging of misses, id remap and one kernel call.
+
+Engine-agnostic (our transformers runtime and the vLLM plug-in use it alike): it knows
+a pool of weight tensors ``[S + R, ...]`` (S cache slots, then R staging rows), each
+layer's host store ``[E, ...]`` under the same names, and a kernel
+``kernel(x, weights, slot_ids) -> [T, H]`` that reads the pool by row id. Nothing in a
+step reads a tensor back to the host, branches on a tensor's value or makes a shape that
+depends on data, so a step can run inside a CUDA graph or ``torch.compile(fullgraph=True)``.
+
+API (stable; the vLLM plug-in builds on it)::
+
+    step = DeviceStep(pool={"w13": w13 [S+R, 2I, H], "w2": w2 [S+R, H, I]},
+                      hosts=[{"w13": [E, 2I, H], "w2": [E, H, I]} per layer],  # pinned on CUDA
+                      slots=S, max_tokens=256, top_k=K,
+                      blocks=1)  # R staging rows in blocks; layer l stages into block l % blocks
+    step.slot_map                 # int32 [L, E] on the pool's device: expert -> slot, or -1
+    step.fits(T)                  # shape-only: min(T*K, E) <= R // blocks: every miss gets a row
+    out = step.run(layer, x, topk_weights, topk_ids, kernel)   # remap + stage + kernel once;
+                                  # records the ids [T, K] for the host (``routing``)
+    slot_ids, staged = step.remap(layer, topk_ids)   # the pure parts of run(), for callers that
+    step.stage(layer, staged)                        # call their kernel themselves
+    step.record(layer, topk_ids)                     # non-blocking copy into pinned memory
+    ids = step.routing(layer, T)  # host view [T, K] of what the last forward recorded (after
+                                  # step.routed_event, if any, has completed)
+    step.write_map(entries)       # [(layer, expert, slot or -1)]: map only (host-filled slots)
+    step.apply(updates)           # host-issued slot changes: [(layer, expert, slot or -1,
+                                  # staging row or -1)], before a forward (lagged.Update)
+    step.apply_fixed(buffers)     # the same from fixed-size buffers (graph-safe)
+
+How a step works (``remap``): the layer's row of ``slot_map`` is looked up for the step's ids;
+the experts used but not resident are ranked in expert-id order (mask, cumsum) and the
+expert of rank r takes row r of the layer's staging block (``first_staging_row(layer) + r``); ids become slot or staging rows. ``stage``
+copies the staged experts' rows from the host store into the staging rows: a fixed
+number of rows, ``min(T*K, E, R // blocks)``; rows without a miss hold the sentinel E. On
+the CPU that is an index copy: in eager mode of the rows with an expert only (a boolean mask,
+a data-dependent shape that costs the host nothing: there is no device to wait for); traced
+(``torch.compile``) of all rows, sentinel rows copying the layer's last expert, which is
+harmless: the kernel never reads them. On CUDA the host store is pinned and read in place through a
+device view of it (zero-copy, UVA: ``cuda_view``), by a Triton kernel whose masked
+loads read nothing for sentinel rows; without Triton, by ``index_select`` on the view
+(sentinel rows then read the last expert over PCIe). Exactness: with ``fits(T)`` every
+expert a step needs is in a slot or a staging row when the kernel runs.
+
+Which experts are resident is the host's business (``expertcache.lagged.LaggedTable``,
+one step behind): it reads the recorded routing after a forward and sends back slot
+changes. A resident entry of ``slot_map`` must always name a slot that holds the expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class DeviceStep:
+    """Slot map on the device, staging of misses, remap and kernel call; see the module doc."""
+
+    def __init__(self, pool: dict[str, torch.Tensor], hosts: Sequence[dict[str, torch.Tensor]],
+                 slots: int, *, top_k: int, max_tokens: int = 256, blocks: int = 1,
+                 resident: dict[int, int] | None = None) -> None:
+        if not pool or any(set(h) != set(pool) for h in hosts):
+            raise ValueError(f"the pool's weights {sorted(pool)} and every layer's host store must "
+                             "have the same names")
+        size = {t.shape[0] for t in pool.values()}
+        if len(size) != 1:
+            raise ValueError(f"pool tensors differ in rows: {sorted(size)}")
+        self.size = size.pop()  # S + R
+        if not 0 <= slots < self.size:
+            raise ValueError(f"slots={slots} leaves no staging row in a pool of {self.size} rows")
+        self.pool, self.slots, self.staging = pool, slots, self.size - slots  # S, R
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= self.staging:
+            raise ValueError(f"staging blocks must be a whole number in 1..{self.staging}, got {blocks!r}")
+        self.blocks, self.width = blocks, self.staging // blocks  # layer l stages into block l % blocks
+        self.num_layers, self.top_k = len(hosts), top_k
+        self.num_experts = next(iter(hosts[0].values())).shape[0]  # E
+        self.device = next(iter(pool.values())).device
+        self.cuda = self.device.type == "cuda"
+        # L layers, E experts: slot of each expert, -1 when not resident
+        self.slot_map = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int32,
+                                   device=self.device)
+        for key, slot in (resident or {}).items():
+            self.slot_map[divmod(key, self.num_experts)] = slot
+        self.hosts = list(hosts)
+        # what stage() reads: the host store itself (CPU) or a device view of pinned memory (CUDA)
+        self.sources = [{k: cuda_view(t, self.device) for k, t in h.items()} if self.cuda else h
+                        for h in hosts]
+        # the routing of the latest forward, per layer, for the host: pinned [L, max_tokens, K]
+        self.max_tokens = max_tokens
+        self.routed = torch.zeros((self.num_layers, max_tokens, top_k), dtype=torch.int32,
+                                  pin_memory=self.cuda)
+        self.routed_event = None  # CUDA: recorded after the last layer's copy (record())
+        self._rows = torch.arange(self.num_experts, device=self.device)  # [E] expert ids
+
+    # -- shapes ------------------------------------------------------------------------
+    def fits(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens runs here: its misses fit the staging rows and
+        its routing fits the record buffer (shapes only, no tensor is read)."""
+        return min(tokens * self.top_k, self.num_experts) <= self.width and tokens <= self.max_tokens
+
+    def staged_rows(self, tokens: int) -> int:
+        """Staging rows one step of ``tokens`` tokens writes: ``min(T*K, E, R // blocks)``."""
+        return min(tokens * self.top_k, self.num_experts, self.width)
+
+    def first_staging_row(self, layer: int) -> int:
+        """The pool row where ``layer``'s staging block starts: S + (layer % blocks) * width."""
+        return self.slots + (layer % self.blocks) * self.width
+
+    # -- the step ------------------------------------------------------------------------
+    def remap(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk_ids`` [T, K] expert ids -> (row ids [T, K] in topk_ids' dtype, staged [W] int64:
+        the expert each of the first W = staged_rows(T) staging rows gets, E for none)."""
+        # T tokens, K top-k, E experts, S slots, R staging rows, W staging rows this step writes
+        return assign_staging(self.slot_map[layer], topk_ids, self.first_staging_row(layer),
+                              self.staged_rows(topk_ids.shape[0]), self._rows)
+
+    def stage(self, layer: int, staged: torch.Tensor) -> None:
+        """Copy the staged experts' rows (``staged`` [W] from ``remap``) into the layer's staging
+        block, rows first_staging_row(layer) + 0..W-1."""
+        W, first = staged.shape[0], self.first_staging_row(layer)
+        for kind, dst in self.pool.items():
+            gather_rows(self.sources[layer][kind], staged, dst.narrow(0, first, W))
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Non-blocking copy of the step's ids [T, K] into the pinned routing buffer."""
+        T = topk_ids.shape[0]
+        self.routed[layer, :T].copy_(topk_ids, non_blocking=self.cuda)
+        if self.cuda and layer == self.num_layers - 1:
+            self.routed_event = torch.cuda.current_stream(self.device).record_event()
+
+    def run(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One MoE layer step: remap, stage the misses, call ``kernel(x, weights, row_ids)`` once."""
+        row_ids, staged = self.remap(layer, topk_ids)
+        self.stage(layer, staged)
+        self.record(layer, topk_ids)
+        return kernel(x, topk_weights, row_ids)
+
+    def routing(self, layer: int, tokens: int) -> torch.Tensor:
+        """The ids [T, K] layer ``layer`` recorded in the latest forward (host memory).
+
+        On CUDA, wait for ``routed_event`` first (``LaggedRouting`` does)."""
+        return self.routed[layer, :tokens]
+
+    # -- slot changes from the host ---------------------------------------------------------
+    def apply(self, updates: Sequence[tuple[int, int, int, int]]) -> None:
+        """Apply the host's slot changes ``(layer, expert, slot or -1, staging row or -1)``:
+        the expert's map entry becomes ``slot``; a slot gets its weights from the staging row
+        named (a device copy) or else from the host store. Issued by the host between forwards
+        (order-free: slots are distinct and staging rows are never written here)."""
+        if not updates:
+            return
+        layers, experts, slots, sources = (list(c) for c in zip(*updates))
+        entry = torch.tensor(slots, dtype=torch.int32)
+        self.slot_map[torch.tensor(layers), torch.tensor(experts)] = entry.to(self.device, non_blocking=self.cuda)
+        for layer, expert, slot, source in updates:
+            if slot < 0:
+                continue
+            for kind, dst in self.pool.items():
+                src = dst[self.slots + source] if source >= 0 else self.hosts[layer][kind][expert]
+                dst[slot].copy_(src, non_blocking=self.cuda)
+
+    def write_map(self, entries: Sequence[tuple[int, int, int]]) -> None:
+        """Set map entries ``(layer, expert, slot or -1)`` only: for slots the caller filled
+        itself (a host-planned step)."""
+        if not entries:
+            return
+        layers, experts, slots = (list(c) for c in zip(*entries))
+        values = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=self.cuda)
+        self.slot_map[torch.tensor(layers), torch.tensor(experts)] = values
+
+    def fixed_buffers(self, capacity: int) -> dict[str, torch.Tensor]:
+        """Buffers for ``apply_fixed`` holding up to ``capacity`` updates (pinned on CUDA): the
+        host fills them (``fill_fixed``) and a captured graph applies them."""
+        pin = self.cuda
+        return {"layer": torch.zeros(capacity, dtype=torch.int64, pin_memory=pin),
+                "expert": torch.full((capacity,), self.num_experts, dtype=torch.int64, pin_memory=pin),
+                "slot": torch.full((capacity,), -1, dtype=torch.int64, pin_memory=pin),
+                "source": torch.full((capacity,), -1, dtype=torch.int64, pin_memory=pin)}
+
+    def fill_fixed(self, buffers: dict[str, torch.Tensor], updates: Sequence[tuple[int, int, int, int]]) -> None:
+        """Write ``updates`` into ``buffers`` (host memory); unused entries become no-ops."""
+        cap = buffers["layer"].shape[0]
+        if len(updates) > cap:
+            raise ValueError(f"{len(updates)} slot updates exceed the fixed list of {cap}")
+        buffers["expert"].fill_(self.num_experts)
+        buffers["slot"].fill_(-1)
+        buffers["source"].fill_(-1)
+        for i, (layer, expert, slot, source) in enumerate(updates):
+            buffers["layer"][i], buffers["expert"][i] = layer, expert
+            buffers["slot"][i], buffers["source"][i] = slot, source
+
+    def apply_fixed(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Apply a fixed-size update list on the device: no host read, fixed shapes.
+
+        Each entry writes the map (entries with expert E are dropped into a spare column) and
+        copies one row into its slot: from the staging row when ``source >= 0``, else from the
+        host store (CPU: index copy; CUDA: through the pinned store's device view). Entries
+        without a slot copy into the spare staging row S+R-1, which no step then reads before it
+        is staged again. Use between forwards, before the first layer's step."""
+        # U updates; E experts; S slots; R staging rows
+        dev = {k: v.to(self.device, non_blocking=self.cuda) for k, v in buffers.items()}
+        E, spare = self.num_experts, self.size - 1
+        layer, expert, slot, source = dev["layer"], dev["expert"], dev["slot"], dev["source"]
+        wide = torch.cat([self.slot_map, self.slot_map.new_full((self.num_layers, 1), -1)], dim=1)  # [L, E+1]
+        wide.index_put_((layer, expert), slot.to(torch.int32))
+        self.slot_map.copy_(wide[:, :E])
+        dst_row = torch.where(slot >= 0, slot, spare)                        # [U]
+        from_staging = source >= 0                                          # [U]
+        staging_row = torch.where(from_staging, self.slots + source, spare)  # [U]
+        for kind, dst in self.pool.items():
+            on_device = dst.index_select(0, staging_row)                    # [U, ...]
+            for layer_id in range(self.num_layers):  # per layer: its host store; shapes fixed
+                mine = (layer == layer_id) & ~from_staging & (slot >= 0)
+                host_rows = torch.where(mine, expert.clamp(max=E - 1), E)   # E: sentinel
+                fetched = dst.new_empty(on_device.shape)
+                gather_rows(self.sources[layer_id][kind], host_rows, fetched)
+                on_device = torch.where(mine.view(-1, *[1] * (dst.ndim - 1)), fetched, on_device)
+            dst.index_copy_(0, dst_row, on_device)
+
+
+def assign_staging(row: torch.Tensor, topk_ids: torch.Tensor, first: int, width: int,
+                   experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed-shape core of a step (see ``DeviceStep.remap``).
+
+    row int32 [E] (slot or -1); topk_ids [T, K]; ``width`` W staging rows from pool row
+    ``first`` on may be given out;
+    experts = arange(E). Returns row ids [T, K] (topk_ids' dtype) and staged int64 [W]
+    (expert per staging row, E for none). Misses beyond W (never with ``fits``) are clamped to
+    the last row, so ids stay inside the pool.
+    """
+    # T tokens, K top-k, E experts, W staging rows this step
+    E = row.shape[0]
+    flat = topk_ids.reshape(-1).long()                                     # [T*K]
+    used = torch.zeros(E, dtype=torch.bool, device=row.device).index_fill(0, flat, True)  # [E]
+    missed = used & (row < 0)                                              # [E]
+    rank = torch.cumsum(missed.to(torch.int64), 0) - 1                     # [E] rank among misses
+    rank = rank.clamp(min=0, max=max(width - 1, 0))
+    where = torch.where(missed, first + rank, row.long())                  # [E] row of each expert
+    row_ids = where.index_select(0, flat).view(topk_ids.shape).to(topk_ids.dtype)  # [T, K]
+    target = torch.where(missed, rank, width)                              # [E], W = no row
+    staged = torch.full((width + 1,), E, dtype=torch.int64, device=row.device)
+    staged = staged.scatter_reduce(0, target, experts, reduce="amin")      # [W+1]
+    return row_ids, staged[:width]
+
+
+def gather_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = src[rows[i]]`` for rows below E = src.shape[0]; rows equal to E (sentinels)
+    are skipped (CUDA with Triton; the CPU in eager mode) or copy ``src[E-1]`` (otherwise).
+    src [E, ...]; rows [W]; out [W, ...]."""
+    E = src.shape[0]
+    if out.device.type == "cuda":
+        if _triton_ok(src, out):
+            _triton_gather(src, rows, out)
+        else:
+            torch.index_select(src, 0, rows.clamp(max=E - 1), out=out)
+        return
+    if not torch.compiler.is_compiling():
+        # CPU, eager: copy the rows that hold an expert only. The mask makes a data-dependent
+        # shape, which costs nothing on the host (no device to wait for, no graph to keep);
+        # traced code takes the fixed-width copy below
+        keep = (rows < E).nonzero().squeeze(1)                         # [M] rows with an expert
+        out.index_copy_(0, keep, src.index_select(0, rows.index_select(0, keep)))
+        return
+    torch.index_select(src, 0, rows.clamp(max=E - 1), out=out)
+
+
+# -- CUDA: pinned host memory read in place ------------------------------------------------
+class _CudaArray:
+    """A ``__cuda_array_interface__`` over a device pointer (torch.as_tensor then wraps it)."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: torch.Tensor) -> None:
+        self.owner = owner  # keeps the pinned memory alive as long as the view
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def device_pointer(host: torch.Tensor) -> int:
+    """The device address of pinned ``host`` memory (``cudaHostGetDevicePointer``); where the
+    CUDA runtime cannot be reached, the host address (unified addressing maps pinned pages at
+    the same address on the device)."""
+    import ctypes
+
+    lib = _cudart()
+    if lib is not None:
+        ptr = ctypes.c_void_p()
+        if lib.cudaHostGetDevicePointer(ctypes.byref(ptr), ctypes.c_void_p(host.data_ptr()), 0) == 0:
+            return ptr.value
+    return host.data_ptr()
+
+
+_CUDART: list = []
+
+
+def _cudart():
+    """The CUDA runtime library torch loaded (by soname), or None."""
+    if not _CUDART:
+        import ctypes
+        found = None
+        for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
+            try:
+                found = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        _CUDART.append(found)
+    return _CUDART[0]
+
+
+def cuda_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over pinned host memory: same shape and dtype, no copy (zero-copy reads
+    over the bus). ValueError for memory that is not pinned."""
+    if not host.is_pinned():
+        raise ValueError("a device view needs pinned host memory (host_memory='copy' pins with CUDA)")
+    if not host.is_contiguous():
+        raise ValueError("a device view needs a contiguous host tensor")
+    nbytes = host.numel() * host.element_size()
+    with torch.cuda.device(device):
+        raw = torch.as_tensor(_CudaArray(device_pointer(host), nbytes, host), device=device)
+    view = raw.view(host.dtype).view(host.shape)
+    view._expertcache_owner = host  # noqa: SLF001  the pinned tensor outlives the view
+    return view
+
+
+def _triton_ok(src: torch.Tensor, out: torch.Tensor) -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return src.is_contiguous() and out.is_contiguous() and src.dtype == out.dtype
+
+
+_KERNEL = []
+
+
+def _triton_gather(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """Masked row copy on a fixed grid (W rows x blocks): a sentinel row loads and stores nothing."""
+    if not _KERNEL:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def copy_rows(src_ptr, rows_ptr, out_ptr, row_elems, num_rows, BLOCK: tl.constexpr):
+            i = tl.program_id(0)
+            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            r = tl.load(rows_ptr + i)
+            mask = (offs < row_elems) & (r < num_rows)
+            vals = tl.load(src_ptr + r.to(tl.int64) * row_elems + offs, mask=mask)
+            tl.store(out_ptr + i.to(tl.int64) * row_elems + offs, vals, mask=mask)
+
+        _KERNEL.append(copy_rows)
+    W, E = rows.shape[0], src.shape[0]
+    row_elems = src[0].numel()
+    BLOCK = 4096
+    grid = (W, (row_elems + BLOCK - 1) // BLOCK)
+    _KERNEL[0][grid](src, rows, out, row_elems, E, BLOCK=BLOCK)
