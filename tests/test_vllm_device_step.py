@@ -1,7 +1,7 @@
 """The vLLM plug-in's device layer step without vLLM: for any slot map (hits, misses, padding
 tokens), the kernel sees every needed expert in a slot or a staging row and the output equals
 the experts computed straight from the host store; eager (copies only the misses) and the
-fixed grid that traced / CUDA steps take give the same output and staging rows."""
+fixed grid that traced steps take and the sentinel-skipping copy of CUDA give the same output."""
 
 from __future__ import annotations
 
@@ -22,10 +22,22 @@ def experts_out(x, w, rows, w13, w2):
     return torch.einsum("tk,tkh->th", w, torch.einsum("tkhi,tki->tkh", w2[rows.long()], g))
 
 
-@pytest.mark.parametrize("grid", [False, True], ids=["eager-cpu", "fixed-grid"])
-def test_layer_step_equals_the_experts_from_the_host(grid, monkeypatch):
-    if grid:  # the branch traced (and CUDA) steps take
+def skip_sentinels(src, rows, out):
+    """The CUDA copy's contract (devicestep's Triton gather): rows naming an expert are copied,
+    sentinel rows (E) are left as they are."""
+    for i, r in enumerate(rows.tolist()):
+        if r < src.shape[0]:
+            out[i] = src[r]
+
+
+@pytest.mark.parametrize("path", ["eager-cpu", "traced-grid", "cuda-skip"])
+def test_layer_step_equals_the_experts_from_the_host(path, monkeypatch):
+    from expertcache.vllm import device
+
+    if path == "traced-grid":  # the branch traced steps take: all W rows copied
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    if path == "cuda-skip":
+        monkeypatch.setattr(device, "gather_rows", skip_sentinels)
     rng = random.Random(0)
     torch.manual_seed(0)
     hosts = (torch.randn(E, 2 * I, H), torch.randn(E, H, I))
@@ -50,7 +62,7 @@ def test_layer_step_equals_the_experts_from_the_host(grid, monkeypatch):
             seen.append(rows)
             return experts_out(x, w, rows, *pool)
 
-        out = layer_step(x, w, ids, slot_row, hosts, pool, record, S, kernel)
+        out = layer_step(x, w, ids, slot_row, hosts, pool, record, S, torch.arange(E), kernel)
         torch.testing.assert_close(out, experts_out(x, w, ids, *hosts), rtol=0, atol=0)
         rows = seen[0]
         assert rows.dtype == ids.dtype and 0 <= rows.min() and rows.max() < S + R

@@ -60,7 +60,9 @@ def test_block_must_be_an_object():
 def test_planner_key():
     assert settings(slots=8).planner == "host"
     assert settings(slots=8, planner="device").planner == "device"
-    for block, words in (({"slots": 8, "planner": "gpu"}, "planner must be one of 'host', 'device', got 'gpu'"),
+    assert (settings(slots=8, planner="device", lag=2).cache.lag, settings(slots=8).cache.lag) == (2, 1)
+    for block, words in (({"slots": 8, "planner": "gpu"}, "expertcache: unknown planner 'gpu'"),
+                         ({"slots": 8, "planner": "device", "lag": 0}, "lag must be a whole number"),
                          ({"slots": 8, "planner": "device", "record_trace": "t.npz"}, "record_trace needs planner")):
         with pytest.raises(ValueError) as err:
             settings(**block)

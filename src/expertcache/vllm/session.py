@@ -125,7 +125,6 @@ class Session:
         if self.settings.planner == "device":
             from .device import DevicePlanner, attach
             self.planner = DevicePlanner(self, self.vllm_config.scheduler_config.max_num_batched_tokens)
-            self.planner.seed()
             for index, layer in enumerate(self.layers):
                 attach(layer, self, index)
         from .telemetry import Telemetry

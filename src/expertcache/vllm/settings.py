@@ -2,10 +2,10 @@
 
 Keys are ``offload()``'s names: ``slots`` or ``gpu_memory``, ``eviction`` (CLI syntax,
 ``"slru:protected=0.5"``, or a whole spec ``"lru+second-hit"``), ``admission``,
-``partition``, ``staging``, ``imatrix``, ``imatrix_mode``; plus the plug-in's own
-``planner`` (``"host"``: plan each layer step on the host; ``"device"``: the step runs on
-the device and the policy one engine step behind, docs/vllm.md), ``stats_path``,
-``stats_every`` and ``record_trace``. Everything goes through
+``partition``, ``staging``, ``imatrix``, ``imatrix_mode``, ``planner`` (``"host"``: plan
+each layer step on the host; ``"device"``: the step runs on the device and the policy
+``lag`` engine steps behind, docs/vllm.md) and ``lag``; plus the plug-in's own
+``stats_path``, ``stats_every`` and ``record_trace``. Everything goes through
 ``CacheConfig`` (the same checks as ``offload()`` and the CLI) before vLLM loads a
 weight; a bad value is one line that names the key.
 """
@@ -20,9 +20,8 @@ from ..policies.registry import parse_policy
 
 KEY = "expertcache"
 CACHE_KEYS = ("slots", "gpu_memory", "eviction", "admission", "partition", "staging", "imatrix",
-              "imatrix_mode")
-OWN_KEYS = ("planner", "stats_path", "stats_every", "record_trace")
-PLANNERS = ("host", "device")
+              "imatrix_mode", "planner", "lag")
+OWN_KEYS = ("stats_path", "stats_every", "record_trace")
 DEFAULT_STATS_EVERY = 256  # engine steps between two stats.json writes
 
 
@@ -32,7 +31,10 @@ class Settings:
     stats_path: str | None = None
     stats_every: int = DEFAULT_STATS_EVERY
     record_trace: str | None = None
-    planner: str = "host"
+
+    @property
+    def planner(self) -> str:
+        return self.cache.planner
 
 
 def from_additional_config(additional: object) -> Settings | None:
@@ -51,18 +53,11 @@ def parse(block: dict) -> Settings:
     if unknown:
         raise ValueError(f"expertcache: unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"use {', '.join(CACHE_KEYS + OWN_KEYS)}")
-    return Settings(_cache_config(block), _out_path(block, "stats_path"), _stats_every(block),
-                    _out_path(block, "record_trace"), _planner(block))
-
-
-def _planner(block: dict) -> str:
-    value = block.get("planner", "host")
-    if value not in PLANNERS:
-        raise ValueError(f"expertcache: planner must be one of {', '.join(map(repr, PLANNERS))}, got {value!r}")
-    if value == "device" and block.get("record_trace") is not None:
+    if block.get("planner") == "device" and block.get("record_trace") is not None:
         raise ValueError("expertcache: record_trace needs planner 'host' (the device planner records "
                          "routing for its policy, not as a trace yet)")
-    return value
+    return Settings(_cache_config(block), _out_path(block, "stats_path"), _stats_every(block),
+                    _out_path(block, "record_trace"))
 
 
 def _cache_config(block: dict) -> CacheConfig:
@@ -76,7 +71,7 @@ def _cache_config(block: dict) -> CacheConfig:
                          "drop the 'admission' key or the '+ADMISSION' part")
     spec = eviction if admission is None else f"{eviction}+{admission}"
     kwargs = {k: block[k] for k in ("slots", "gpu_memory", "partition", "staging", "imatrix",
-                                    "imatrix_mode") if k in block}
+                                    "imatrix_mode", "planner", "lag") if k in block}
     try:
         policy = parse_policy(spec)
         return CacheConfig(eviction=policy.eviction, admission=policy.admission, **kwargs)
