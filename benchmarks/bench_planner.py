@@ -9,9 +9,9 @@ token over the repeats (the forward clock, as ``generate`` reports), decode hit 
 bytes per token from each cache's stats.
 
     .venv/bin/python benchmarks/bench_planner.py [--fractions 1,0.5,0.25] [--batch 1]
-        [--tokens 32] [--repeats 3] [--threads 1] [--lag 1] [--device cpu]
+        [--tokens 32] [--repeats 3] [--threads 1] [--lag 1] [--staging-blocks 1] [--device cpu]
 
-Writes benchmarks/results/bench_planner[_bB].json.
+Writes benchmarks/results/bench_planner[_bB][_blocksN].json.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lag", type=int, default=1)
+    ap.add_argument("--staging-blocks", type=int, default=1,
+                    help="planner device: staging blocks (8 = one per MoE layer); staging = blocks x batch x top-k")
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -70,8 +72,10 @@ def main() -> None:
     rows = []
     for fraction in (float(f) for f in args.fractions.split(",")):
         slots = max(K, round(fraction * L * E))
+        width = min(E, args.batch * K)
         models = {p: offload(copy.deepcopy(plain), slots=slots, eviction=args.policy, planner=p, lag=args.lag,
-                             staging=min(E, args.batch * K), device=args.device)
+                             staging=width * (args.staging_blocks if p == "device" else 1),
+                             staging_blocks=args.staging_blocks if p == "device" else 1, device=args.device)
                   for p in ("host", "device")}
         for m in models.values():
             decode(m, ids, mask, 4)  # warm
@@ -104,7 +108,9 @@ def main() -> None:
               "model": {"family": "qwen3_moe", "hidden": 512, "moe_layers": L, "experts": E, "top_k": K,
                         "expert_ff": 256, "dtype": args.dtype},
               "settings": vars(args), "rows": rows}
-    out = Path(args.json or RESULTS / f"bench_planner{'' if args.batch == 1 else f'_b{args.batch}'}.json")
+    name = f"bench_planner{'' if args.batch == 1 else f'_b{args.batch}'}"
+    name += "" if args.staging_blocks == 1 else f"_blocks{args.staging_blocks}"
+    out = Path(args.json or RESULTS / f"{name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -20,7 +20,7 @@ to vLLM is the median of the per-round ratios. Hit rates are the plug-in's count
 timed runs.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--tokens 64] [--repeats 6] [--planners host,device]
-        [--no-runtime] [--compiled]
+        [--skip-runtime] [--compiled]
 
 Writes benchmarks/results/vllm_cpu.json.
 """
@@ -57,13 +57,16 @@ PIECEWISE = {"cudagraph_mode": "PIECEWISE",  # CUDA graphs with the MoE op outsi
                                "vllm::moe_forward", "vllm::moe_forward_shared"]}
 
 
-def engine(path: str, fraction: float | None, device: str, piecewise: bool = False, planner: str = "host",
-           compiled: bool = False):
-    """One in-process vLLM engine; ``fraction`` of the experts in slots, None: no plug-in."""
+def engine(path: str, fraction: float | None, device: str, piecewise: bool = False,
+           policy: str | None = None, planner: str = "host", compiled: bool = False):
+    """One in-process vLLM engine; ``fraction`` of the experts in slots, None: no plug-in;
+    ``policy`` the plug-in's eviction policy (its default when None), ``planner`` host or device."""
     from vllm import LLM
 
     extra = {} if fraction is None else {"expertcache": {"slots": round(fraction * LAYERS * EXPERTS),
                                                          "planner": planner}}
+    if policy is not None and fraction is not None:
+        extra["expertcache"]["eviction"] = policy
     kwargs = dict(gpu_memory_utilization=0.3) if device == "cuda" else \
         dict(gpu_memory_utilization=0.2, kv_cache_memory_bytes=1 << 28, distributed_executor_backend="uni")
     if piecewise:
@@ -146,10 +149,16 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: the vLLM rows only, on a CUDA build of vLLM (benchmarks/gpu_check.sh)")
     ap.add_argument("--planners", default="host,device", help="comma-separated: host, device")
-    ap.add_argument("--no-runtime", action="store_true", help="skip the expertcache generate / serve rows")
     ap.add_argument("--compiled", action="store_true",
                     help="every vLLM engine compiled (vLLM's default; slower to start) instead of eager")
     ap.add_argument("--json", default=str(RESULTS))
+    ap.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS),
+                    help="shares of the experts in slots, one plug-in row each")
+    ap.add_argument("--policies", nargs="+", default=["default"],
+                    help="eviction policies, side by side at every fraction (e.g. default next-use: "
+                         "the batch-aware default against the old one)")
+    ap.add_argument("--skip-runtime", action="store_true",
+                    help="only the vLLM rows (no expertcache generate / serve)")
     args = ap.parse_args()
     import torch
     from bench_serve import save_model
@@ -165,12 +174,14 @@ def main() -> None:
         ref = engine(str(path), None, args.device, compiled=args.compiled)
         rows = {}
         planners = args.planners.split(",")
-        configs = [(f"vllm+expertcache {f:.0%}" + ("" if p == "host" else f" {p}"), f, False, p)
-                   for f in FRACTIONS for p in planners]
+        named = len(args.policies) > 1 or args.policies != ["default"]
+        configs = [(f"vllm+expertcache {f:.0%}" + (f" {p}" if named else "") + ("" if pl == "host" else f" {pl}"),
+                    f, False, p, pl)
+                   for f in args.fractions for p in args.policies for pl in planners]
         if args.device == "cuda" and "host" in planners:  # the graph mode that keeps the plan per step
-            configs.append(("vllm+expertcache 50% piecewise", 0.5, True, "host"))
-        for name, fraction, piecewise, planner in configs:
-            llm = engine(str(path), fraction, args.device, piecewise, planner, args.compiled)
+            configs.append(("vllm+expertcache 50% piecewise", 0.5, True, "default", "host"))
+        for name, fraction, piecewise, policy, planner in configs:
+            llm = engine(str(path), fraction, args.device, piecewise, policy, planner, args.compiled)
             rows[name] = {"levels": paired(ref, llm, args.tokens, args.repeats)}
             del llm
             gc.collect()
@@ -179,13 +190,14 @@ def main() -> None:
         del ref
         gc.collect()
         cleanup_dist_env_and_memory()
-        if args.device == "cpu" and not args.no_runtime:
+        if args.device == "cpu" and not args.skip_runtime:
             rows["expertcache generate 50%"] = run_generate(str(path), args.tokens, tmp)
             rows["expertcache serve 50%"] = run_serve(str(path), args.tokens)
     doc = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                        "note": "shared 2-core VM, loaded by other agents' jobs at times: each ratio "
                                "to vLLM is paired round by round, the tok/s medians are not"},
+           "command": "benchmarks/bench_vllm.py " + " ".join(sys.argv[1:]),
            "settings": {"tokens": args.tokens, "repeats": args.repeats, "prompt_tokens": 16, "levels": LEVELS,
                         "model": "Qwen3-MoE hidden 256, 4 MoE layers, 32 experts, top-4, float32 (random)",
                         "planners": args.planners,

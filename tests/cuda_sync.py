@@ -1,4 +1,6 @@
-"""Fail on any device-to-host sync inside a MoE step except reading the router's choices."""
+"""Fail on any device-to-host sync inside a MoE step except the two the runtime means to make:
+reading the router's choices (every step) and fetching the activations for a step that
+computes experts on the host (only such a step)."""
 
 from __future__ import annotations
 
@@ -8,18 +10,21 @@ from expertcache.runtime import experts as experts_mod
 
 
 def forbid_syncs_in_steps(monkeypatch) -> dict:
-    """Patch the runtime so a sync anywhere in ``run_step`` but ``_to_host`` raises (sync debug
-    mode 'error'); returns counters {'steps', 'to_host'} that fill as the model runs."""
-    calls = {"to_host": 0, "steps": 0}
-    real_to_host, real_step = experts_mod._to_host, experts_mod.run_step
+    """Patch the runtime so a sync anywhere in ``run_step`` but ``_ids_to_host`` and
+    ``_acts_to_host`` raises (sync debug mode 'error'); returns counters {'steps', 'to_host',
+    'acts'} that fill as the model runs."""
+    calls = {"to_host": 0, "acts": 0, "steps": 0}
+    real_step = experts_mod.run_step
 
-    def to_host(*args):
-        calls["to_host"] += 1
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return real_to_host(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
+    def allowed(counter, real):
+        def call(*args):
+            calls[counter] += 1
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return real(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+        return call
 
     def run_step(*args):
         calls["steps"] += 1
@@ -29,6 +34,7 @@ def forbid_syncs_in_steps(monkeypatch) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(experts_mod, "_to_host", to_host)
+    monkeypatch.setattr(experts_mod, "_ids_to_host", allowed("to_host", experts_mod._ids_to_host))
+    monkeypatch.setattr(experts_mod, "_acts_to_host", allowed("acts", experts_mod._acts_to_host))
     monkeypatch.setattr(experts_mod, "run_step", run_step)
     return calls

@@ -139,5 +139,7 @@ def test_probe_measures_ggml_where_it_is_installed():
     if not ggml.available()[0]:
         assert rate == {}
         return
-    # an 8-token Q8_0 matmul on any CPU of this decade: well above 0.1 GFLOP/s, below a PFLOP/s
-    assert 0.1 < rate["cpu_quant_gflops"] < 1e6
+    # behaviour, not speed (a loaded 2-core CI machine measured 0.09 GFLOP/s once): one field,
+    # a positive finite rate
+    assert list(rate) == ["cpu_quant_gflops"]
+    assert 0 < rate["cpu_quant_gflops"] < float("inf")

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_moe import tiny_model  # noqa: E402
+from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
 from expertcache.config import CacheConfig  # noqa: E402
 from expertcache.integrations.record import record  # noqa: E402
@@ -126,23 +126,46 @@ def test_device_planner_equals_plain_transformers(reference, slots, batch):
         assert total.misses > 0
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_moe"])
+def test_device_planner_on_every_family(family):
+    """Biases, [in, out] weights (GPT-OSS), shared experts, custom gates: as eager, at 50% slots."""
+    reference = tiny_model(family)
+    model = offload(copy.deepcopy(reference), slots=8, planner="device")
+    tokens, logits = _generate(model, _ids(1), n=4)
+    ref_tokens, ref_logits = _generate(reference, _ids(1), n=4)
+    assert torch.equal(tokens, ref_tokens) and (logits - ref_logits).abs().max().item() <= 1e-5
+    assert model.expertcache.planner.device_forwards == 3
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(slots=4),
     dict(slots=6, lag=2),
     dict(slots=4, partition="per-layer", eviction="fifo"),
     dict(slots=5, eviction="slru", admission="second-hit"),
     dict(slots=4, eviction="lfu", admission="window", lag=3),
-], ids=["default", "lag2", "fifo-per-layer", "slru-second-hit", "lfu-window-lag3"])
+    dict(slots=4, staging=4, staging_blocks=2),
+], ids=["default", "lag2", "fifo-per-layer", "slru-second-hit", "lfu-window-lag3", "blocks2"])
 def test_live_counts_equal_sim_lag_replay(reference, kwargs):
     live = offload(copy.deepcopy(reference), planner="device", **kwargs)
     trace = record(live, _ids(1, seed=11), 9)
     policy = f"{kwargs.get('eviction', 'default')}+{kwargs.get('admission', 'always')}"
-    replayed = lag_replay(trace, policy, kwargs["slots"], kwargs.get("partition", "global"), kwargs.get("lag", 1))
+    blocks = kwargs.get("staging_blocks", 1)
+    replayed = lag_replay(trace, policy, kwargs["slots"], kwargs.get("partition", "global"), kwargs.get("lag", 1),
+                          staging=kwargs.get("staging", 2) // blocks, blocks=blocks)
     observed = live.expertcache.stats()
     for phase in ("prefill", "decode"):
         for layer in range(2):
             assert observed.layer(layer, phase) == replayed.stats.layer(layer, phase), (phase, layer)
-    assert observed.total("decode").misses > 0 and live.expertcache.planner.device_forwards == 8
+    planner = live.expertcache.planner
+    assert observed.total("decode").misses > 0 and planner.device_forwards == 8
+    # bytes: staged misses and loads without a staging row, as the replay counts them
+    copied = replayed.staged + replayed.host_loads
+    assert observed.h2d_bytes("decode") == copied * live.expertcache.expert_bytes
+    pool = observed.pool
+    assert pool["planner"] == "device" and pool["lag"] == kwargs.get("lag", 1) and pool["device_forwards"] == 8
+    assert pool["pending_forwards"] == kwargs.get("lag", 1)  # observed, not yet decided
+    if kwargs.get("staging_blocks"):  # a block per layer: admitted misses load from their staging row
+        assert planner.step.blocks == 2 and planner.lagged.staging_loads > 0
 
 
 def test_lag_zero_is_the_plain_replay(reference):
@@ -156,8 +179,12 @@ def test_device_planner_settings(reference):
         CacheConfig(slots=4, planner="gpu")
     with pytest.raises(ValueError, match="lag must be"):
         CacheConfig(slots=4, planner="device", lag=0)
+    with pytest.raises(ValueError, match="staging_blocks=3 exceeds staging=2"):
+        CacheConfig(slots=4, planner="device", staging=2, staging_blocks=3)
     model = offload(copy.deepcopy(reference), slots=4, planner="device", miss="cpu")
     assert model.expertcache.planner is None and "miss path 'cpu'" in model.expertcache.planner_reason
+    assert model.expertcache.summary()["planner"] == "host"
+    assert offload(copy.deepcopy(reference), slots=4, planner="device").expertcache.summary()["planner"] == "device"
 
 
 def test_compiled_moe_block_equals_eager(reference):
@@ -208,3 +235,29 @@ def test_device_planner_on_cuda_equals_plain(reference):
     tokens, logits = _generate(model, ids)
     ref_tokens, ref_logits = _generate(plain, ids)
     assert torch.equal(tokens, ref_tokens) and (logits - ref_logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.gpu
+def test_cuda_step_makes_no_sync():
+    """A device step (lookup, staging from pinned memory, kernel, routing record) with
+    synchronising CUDA calls made errors."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    L, E, H, S, R = 2, 8, 16, 3, 4
+    hosts = [{"w": torch.randn(E, H, H).pin_memory()} for _ in range(L)]
+    pool = {"w": torch.zeros(S + R, H, H, device="cuda")}
+    step = DeviceStep(pool, hosts, S, top_k=2, max_tokens=8)
+    step.apply([(0, 1, 0, -1), (1, 7, 2, -1)])
+    kernel = lambda x, w, ids: torch.einsum("th,tkoh,tk->to", x, pool["w"][ids.long()], w)  # noqa: E731
+    x, w = torch.randn(2, H, device="cuda"), torch.rand(2, 2, device="cuda")
+    ids = torch.tensor([[1, 3], [6, 5]], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = step.run(0, x, w, ids, kernel)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = torch.einsum("th,tkoh,tk->to", x.cpu(), hosts[0]["w"][ids.cpu()], w.cpu())
+    assert torch.allclose(out.cpu(), ref, atol=1e-4)
+    step.routed_event.synchronize() if step.routed_event is not None else torch.cuda.synchronize()
+    assert torch.equal(step.routing(0, 2), ids.int().cpu())

@@ -61,11 +61,13 @@ def test_pinned_host_fixed_device_pool_and_copy_stream():
 
 @pytest.mark.parametrize("miss", ["fetch", "cpu"])
 def test_one_sync_per_moe_layer_step(monkeypatch, miss):
-    """Only _to_host synchronises; any other implicit sync inside a step raises (sync debug mode)."""
+    """Only reading the ids synchronises, plus fetching the activations in steps that compute on
+    the host; any other implicit sync inside a step raises (sync debug mode)."""
     model = offload(tiny_model("qwen3_moe"), slots=3, device="cuda", miss=miss)
     calls = forbid_syncs_in_steps(monkeypatch)
     _decode(model, torch.randint(2, 96, (1, 9)), n=10)
     assert calls["steps"] > 0 and calls["to_host"] == calls["steps"]
+    assert calls["acts"] == 0 if miss == "fetch" else 0 < calls["acts"] <= calls["steps"]
 
 
 def test_stress_small_pool_many_steps_stays_exact():
@@ -83,3 +85,43 @@ def test_budget_larger_than_free_device_memory():
     free = torch.cuda.mem_get_info()[0]
     with pytest.raises(ValueError, match="free"):
         offload(tiny_model("mixtral"), gpu_memory=free * 2, device="cuda")
+
+
+def test_the_first_preload_sees_the_zeroed_pool_finished():
+    """The pool is zero-filled on the compute stream and preloaded on the copy stream: the copy
+    stream starts behind the fill, so every slot holds its expert, never zeros (review 2)."""
+    reference = tiny_model("qwen3_moe", experts=16, layers=2)
+    cache = offload(copy.deepcopy(reference), baseline="resident", device="cuda").expertcache
+    torch.cuda.synchronize()
+    table, pool = cache.table, cache.pool
+    for layer, host in enumerate(cache.hosts):
+        for expert in range(cache.num_experts):
+            slot = table.slot_of(layer * cache.num_experts + expert)
+            for kind, t in pool.tensors.items():
+                assert torch.equal(t[slot].cpu(), host.tensors[kind][expert]), (layer, expert, kind)
+
+
+def test_prefill_with_two_staging_banks_stays_exact():
+    """A long prompt with copy-every-pass and 4 staging slots runs many staged rounds in two
+    alternating banks (review 5): copies of a round overlap the round before, reads stay exact."""
+    reference = tiny_model("olmoe", experts=16, layers=2)
+    ids = torch.randint(2, 96, (1, 40), generator=torch.Generator().manual_seed(4))
+    ref_tokens, ref_logits = _decode(reference, ids, n=6)
+    model = offload(copy.deepcopy(reference), baseline="copy-every-pass", staging=4, device="cuda")
+    tokens, logits = _decode(model, ids, n=6)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_pinned_experts_are_locked_in_place_to_the_byte():
+    """Host experts are page-locked without torch's power-of-two pinned blocks (review 9)."""
+    from expertcache.runtime.host import resident
+
+    data = torch.randn(3, 805, 301, dtype=torch.bfloat16, device="cuda")  # 1.45 MB
+    out = resident(data, "pinned")
+    assert out.is_pinned() and out.device.type == "cpu" and out.data_ptr() % 4096 == 0
+    assert torch.equal(out, data.cpu())
+    slot = torch.empty_like(data)
+    slot.copy_(out, non_blocking=True)  # DMA from the registered pages
+    torch.cuda.synchronize()
+    assert torch.equal(slot, data)

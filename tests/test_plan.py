@@ -116,3 +116,18 @@ def test_sim_takes_the_quant_type(code_trace_path, tmp_path):
     assert q["results"][0]["bytes_moved"] * 3 < bf16["results"][0]["bytes_moved"]
     assert q["results"][0]["misses"] == bf16["results"][0]["misses"]  # same slots, same replay
     assert main(["sim", str(trace), "--tokens", "50", "--quant", "Q4_K"]) == 2  # needs --model
+
+
+def test_plan_requests_scores_policies_under_batched_decode(tmp_path, capsys):
+    # 16 requests of a synthetic Qwen3 trace at 2 GiB of Q4_K slots: the batched hit rates
+    # are lower than one stream's (a pass needs more keys than fit), and the note says why.
+    out = {}
+    for b in (1, 16):
+        js = tmp_path / f"b{b}.json"
+        assert main(["plan", "qwen3-30b-a3b", "--quant", "Q4_K", "--gpu-memory", "2GiB",
+                     "--tokens", "640", "--requests", str(b), "--policy", "default",
+                     "--device", "cuda", "--json", str(js)]) == 0
+        out[b] = json.loads(js.read_text())
+    assert "cut into 16 requests" in capsys.readouterr().out
+    hit = {b: max(r["hit_rate"] or 0 for r in out[b]["rows"]) for b in out}
+    assert 0 < hit[16] < hit[1]

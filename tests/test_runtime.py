@@ -354,7 +354,7 @@ def test_slot_pool_event_protocol(monkeypatch):
     pool.ready([1])
     assert log == []                       # slot 1 has no copy in flight
     pool.ready([0, 1])
-    assert log == [("compute", "waits", "copy")]
+    assert log == [("compute", "waits", "copy-event-1")]  # the event of slot 0's copy
     pool.ready([0])
     assert len(log) == 1                   # already waited: no second wait
     pool.mark_read([0, 2])
@@ -364,3 +364,14 @@ def test_slot_pool_event_protocol(monkeypatch):
     pool.load(1, host, 2)
     assert log[-1] == ("copy", "waits", "compute-event-1")  # slot 1 never read: no new wait
     assert len(log) == 2
+    # hits do not wait for misses: reading slot 0 waits for its own copy (event 2), not slot 1's
+    pool.ready([0])
+    assert log[-1] == ("compute", "waits", "copy-event-2")
+    pool.ready([1])
+    assert log[-1] == ("compute", "waits", "copy-event-3")
+    pool.load(2, host, 0)                  # slot 2 was read: its copy waits for that reader
+    pool.load(1, host, 0)
+    pool.ready([1, 2])                     # one wait, for the later copy: the stream runs in order
+    assert log[-2:] == [("copy", "waits", "compute-event-1"), ("compute", "waits", "copy-event-5")]
+    pool.ready()
+    assert len(log) == 6                   # both covered already

@@ -45,10 +45,8 @@ def test_reference_figures_through_the_cli(case, tmp_path):
     for r in doc["results"]:
         assert FIELDS <= set(r) and r["accesses"] == 48 * 8000 * 8
         assert r["bytes_moved"] is None and r["predicted_tok_s"] is None  # size unknown
-        if r["policy"] == "belady":
-            assert r["opt_misses"] == r["misses"]
-        else:
-            assert r["opt_misses"] < r["misses"]
+        # opt is MIN with bypass's, below forced Belady's too: bypass saves misses here
+        assert r["opt_misses"] < r["misses"]
     if png.exists() or case == ("code", "global"):
         assert width_of(pixels(png, (840, 540)), "tab:blue") > 0.15  # lru's curve
 

@@ -124,7 +124,7 @@ class SlotTable:
                 policy = policy.inner
             policy_pins.update(policy.pinned_keys())
             policies[i] = policy
-        self.needs_future = policies[0].needs_future
+        self.needs_future = policies[0].needs_future or adm_policy.needs_future
         self._kernel = self._admission = None
         if compiled(type(policies[0])) and _never_chooses(adm_policy, shares, num_layers * num_experts):
             # No step can ask the policy anything (every key fits, or nothing is cached): plain
@@ -139,9 +139,13 @@ class SlotTable:
                                  "built-in (compiled); use a built-in admission rule")
             from .policies.kernels.table import Kernel
             self._kernel = Kernel(policies[0], type(adm_policy), _params(adm_policy),
-                                  num_layers, num_experts, len(shares), shares[0][1])
+                                  num_layers, num_experts, len(shares), shares[0][1], top_k)
             self._parts = [_Partition(start, cap) for start, cap in shares]
         else:
+            if adm_policy.compares_victim:
+                raise ValueError(f"admission {adm_policy.name!r} weighs the key against the "
+                                 f"victim: it runs with built-in eviction policies only, "
+                                 f"and {policies[0].name!r} is a plug-in")
             if compiled(type(adm_policy)):
                 from .policies.kernels.table import Admission
                 self._admission = Admission(type(adm_policy), _params(adm_policy),
@@ -299,7 +303,9 @@ class SlotTable:
 
     def _check_future(self) -> None:
         if self.needs_future and not self._future_bound:
-            raise ValueError(f"policy {self.eviction_name!r} is an offline oracle: it needs the future "
+            oracle_admits = self.admission_name == "oracle" and self.eviction_name != "belady"
+            name = self.admission_name if oracle_admits else self.eviction_name
+            raise ValueError(f"policy {name!r} is an offline oracle: it needs the future "
                              "accesses, which only a replayed trace has (expertcache sim / bench)")
 
     def step(self, layer: int, experts: Sequence[int], phase: int | str = DECODE) -> Plan:

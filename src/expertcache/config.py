@@ -69,8 +69,10 @@ class CacheConfig:
     host_memory: str = "auto"
     cpu_kernel: str = "auto"            # quantized experts on the CPU: CPU_KERNELS
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
+    #                                     (None: measured on this machine at load)
     planner: str = "host"               # PLANNERS: who plans decode steps
     lag: int = 1                        # planner='device': forwards the policy's decisions run behind
+    staging_blocks: int = 1             # planner='device': staging rows in blocks, layer l -> block l % n
     # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
     eviction_params: InitVar[dict | None] = None
     admission_params: InitVar[dict | None] = None
@@ -93,6 +95,11 @@ class CacheConfig:
         self._check_choice("planner", self.planner, PLANNERS)
         if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
             raise ValueError(f"lag must be a whole number of forwards >= 1 (planner='device'), got {self.lag!r}")
+        if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int) or self.staging_blocks < 1:
+            raise ValueError(f"staging_blocks must be a positive whole number, got {self.staging_blocks!r}")
+        if self.staging is not None and self.staging_blocks > self.staging:
+            raise ValueError(f"staging_blocks={self.staging_blocks} exceeds staging={self.staging}: each block "
+                             "needs a row (give staging = blocks x batch x top-k)")
         if self.device is not None and not isinstance(self.device, str):
             # accept torch.device without importing torch (frozen: set through object)
             object.__setattr__(self, "device", str(self.device))

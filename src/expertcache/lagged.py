@@ -118,7 +118,7 @@ class LaggedTable:
             phase, steps, misses = self._queue.popleft()
             counts = self._counts[phase]
             for layer, (experts, missed) in enumerate(zip(steps, misses)):
-                plan = table._step(layer, dict.fromkeys(experts), phase)  # checked when observed
+                plan = table._step(layer, dict.fromkeys(experts), phase)  # ids: a router's or a checked trace's
                 row = counts[layer]
                 row[LOADS] += len(plan.loads)
                 row[EVICTIONS] += len(plan.evictions)
@@ -153,8 +153,10 @@ class LaggedTable:
     # -- a forward the host plans -----------------------------------------------------------
     def host_step(self, layer: int, experts: Sequence[int], phase: int):
         """The table's own plan for one step (call ``flush()`` before the forward): counted as
-        planned; the mirror follows it at once. Returns the ``Plan``."""
+        planned; the mirror follows it at once. Returns the ``Plan``. The host path may stream
+        bypasses through the staging rows, so none is trusted to hold a key any more."""
         plan = self.table.step(layer, experts, phase)
+        self.staging[:] = [None] * len(self.staging)
         row = self._counts[phase][layer]
         row[ACCESSES] += len(plan.hits) + len(plan.loads) + len(plan.bypasses)
         row[HITS] += len(plan.hits)

@@ -106,6 +106,24 @@ def test_trace_replays_to_live_counts_and_ids_equal_transformers(tiny_model, ref
         assert got == want[layer]
 
 
+def test_default_policy_live_equals_sim_on_its_recorded_trace(tiny_model, reference, tmp_path):
+    # The batch-aware default (next-use + freq): 4 requests a step, 25% slots. The plug-in's
+    # live counts equal `expertcache sim --policy default` on the trace it recorded.
+    trace_path = tmp_path / "trace.npz"
+    tokens, _, session = generate(tiny_model, {"slots": ALL // 4, "record_trace": str(trace_path)})
+    assert tokens == reference[0]
+    live = session.stats().total()
+    session.close()
+    out = tmp_path / "sim.json"
+    subprocess.run([sys.executable, "-c", "from expertcache.cli import main; main()", "sim",
+                    str(trace_path), "--slots", str(ALL // 4), "--policy", "default", "--json",
+                    str(out)], check=True, capture_output=True, timeout=120)
+    row = json.loads(out.read_text())["results"][0]
+    assert row["label"] == "default (next-use+freq)"
+    assert (row["hits"], row["misses"], row["decode"]["bypasses"] + row["prefill"]["bypasses"]) \
+        == (live.hits, live.misses, live.bypasses)
+
+
 def transformers_topk(model_dir: str, sequences: list[list[int]]) -> list[Counter]:
     """Per layer: the multiset of each token's top-k expert set, from transformers' routers."""
     import torch

@@ -43,6 +43,9 @@ def add_cache_options(p) -> None:
                         "(lookup and staging on the device, the policy --lag forwards behind; "
                         "docs/runtime.md)")
     p.add_argument("--lag", type=int, default=1, help="--planner device: forwards the policy runs behind")
+    p.add_argument("--staging-blocks", type=int, default=1,
+                   help="--planner device: staging rows in this many blocks, layer l staging into block "
+                        "l %% B, so admitted misses are loaded from their staging row (give --staging B*batch*top-k)")
 
 
 def cache_config(args):
@@ -57,7 +60,8 @@ def cache_config(args):
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
                        host_memory=args.host_memory, cpu_kernel=args.cpu_kernel, hardware=args.hardware,
-                       planner=args.planner, lag=args.lag)
+                       planner=args.planner, lag=args.lag,
+                       staging_blocks=args.staging_blocks)
 
 
 def add_sampling_options(p, temperature: float) -> None:

@@ -23,6 +23,10 @@ def add_parser(sub) -> None:
                    "when the model's shape has a profile)")
     p.add_argument("--tokens", type=int, default=2000, help="tokens of the trace to replay (default 2000)")
     p.add_argument("--policy", default="default,lru", help="eviction policies to compare (default: default,lru)")
+    p.add_argument("--requests", type=int, default=1, metavar="B",
+                   help="requests decoded together: hit rates come from the trace cut into B "
+                        "interleaved requests ('expertcache trace batch'), as a batching server "
+                        "sees it (default 1)")
     p.add_argument("--partition", default="global", choices=PARTITIONS)
     p.add_argument("--hardware", default="pcie4-consumer",
                    help="cost-model profile: pcie4-consumer, pcie5-consumer, h200, or 'expertcache probe' JSON")
@@ -51,6 +55,10 @@ def run(args) -> int:
     model = model_experts(args.model, args.quant, compute_dtype=args.dtype or default_dtype(device))
     hw = load_hardware(args.hardware)
     trace, why = _trace(args, model) if args.trace else default_trace(model, args.tokens)
+    if args.requests != 1 and trace is not None:
+        from ..trace.batch import batch_traces
+        trace = batch_traces([trace], args.requests)
+        why += f", cut into {args.requests} requests decoded together"
     result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device, args.cpu_kernel)
     _print(result, why)
     if args.json:

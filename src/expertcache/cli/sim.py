@@ -2,7 +2,8 @@
 
 Sizes come from ``--slots``, ``--fraction`` or ``--sweep POINTS`` (a miss-ratio
 curve from the smallest legal size to every expert resident). Every result
-carries Belady's misses at the same size (``opt_misses``).
+carries the optimum's misses at the same size (``opt_misses``): the lower of Belady's
+(forced admission) and MIN with bypass's (``belady+oracle``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def run(args) -> int:
     check_output(args.json, "--json")  # a finished sweep must have somewhere to go
     check_output(args.plot, "--plot")
     from ..costmodel.hardware import load_hardware
-    from ..sim.mrc import OPTIMUM, sweep, sweep_sizes
+    from ..sim.mrc import OPTIMA, optimum_misses, sweep, sweep_sizes
     from ..sim.replay import Prepared, resolve_policy, slots_for_fraction
     from ..sim.report import document, expert_cost, rows
 
@@ -101,11 +102,11 @@ def run(args) -> int:
         with _progress(len(policies) * len(slots)) as tick:
             results = sweep(prep, specs, slots, args.partition, workers=args.workers,
                             progress=tick)
-    # Belady's runs give opt_misses (and the plot's optimum); a pinned belady is no optimum.
-    optimum = [r for r in results
-               if (r.policy, r.admission) == (OPTIMUM, "always") and not args.imatrix]
-    extra = [] if optimum else sweep(prep, [OPTIMUM], slots, args.partition, workers=1)
-    opt = {r.slots: r.misses for r in optimum or extra}
+    # The optima's runs give opt_misses (and the plot's optimum); a pinned belady is no optimum.
+    optimum = [r for r in results if (r.policy, r.admission) in OPTIMA and not args.imatrix]
+    opt = optimum_misses(prep, slots, args.partition, optimum)
+    extra = [] if optimum or not args.plot else sweep(prep, [OPTIMA[0][0]], slots, args.partition,
+                                                       workers=1)
     table = rows(trace, results, opt, cost, hw, args.miss_path, args.slot_format)
     _print_table(trace, table, hw.name, cost is not None)
     if args.json:
@@ -192,7 +193,8 @@ def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None
                               for i, (v, w) in enumerate(zip(values, widths))) + sep
 
     width = sum(widths) + 3 * len(widths) + 1
-    caption = f"x opt: misses / Belady's; tok/s: cost model on {hw_name}"
+    caption = (f"x opt: misses / the optimum's (the lower of Belady and MIN with bypass); "
+               f"tok/s: cost model on {hw_name}")
     lines = [f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x "
              f"{trace.num_experts} experts, top-{trace.top_k}, {trace.num_tokens} tokens",
              border(top), cells(COLUMNS, head_bar), border(rule),

@@ -35,6 +35,20 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="OUT.npz")
     p.set_defaults(func=_synth)
 
+    p = tsub.add_parser("batch", help="interleave B requests into a grouped trace (batched decode)",
+                        description="Make a grouped trace of B requests decoded together: one "
+                        "trace's tokens cut into B stretches, or several traces (each cut into its "
+                        "share of B). sim, plan and bench replay it as an engine's batches.")
+    p.add_argument("inputs", nargs="+", metavar="IN.npz")
+    p.add_argument("--requests", type=int, required=True, metavar="B", help="requests decoded together")
+    p.add_argument("--prompt", type=int, default=0, metavar="N",
+                   help="the first N tokens of each request are its prompt (default 0: all decode)")
+    p.add_argument("--prompt-chunk", type=int, metavar="N", help="prompt tokens one step prefills, "
+                   "mixed into the running requests' decode steps (vLLM's chunked prefill; default: "
+                   "the whole prompt in one step)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.npz")
+    p.set_defaults(func=_batch)
+
     p = tsub.add_parser("info", help="summary and per-layer locality of a trace")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--json", metavar="OUT", help="also write the figures as JSON ('-' for stdout)")
@@ -53,6 +67,19 @@ def add_parser(sub) -> None:
                         "(float16 [layers, tokens, experts]) for policy research")
     p.add_argument("-o", "--output", required=True, metavar="trace.npz")
     p.set_defaults(func=_record)
+
+
+def _batch(args) -> int:
+    check_output(args.output, "OUT.npz")
+    from ..trace import load_trace, save_trace
+    from ..trace.batch import batch_traces
+    trace = batch_traces([load_trace(p) for p in args.inputs], args.requests, args.prompt,
+                         args.prompt_chunk)
+    save_trace(trace, args.output)
+    steps = trace.meta["step_tokens"]
+    print(f"wrote {args.output}: {args.requests} requests, {trace.num_tokens} tokens in "
+          f"{len(steps)} steps (up to {max(steps)} tokens a step)")
+    return 0
 
 
 def _import(args) -> int:

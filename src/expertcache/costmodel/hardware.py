@@ -8,10 +8,11 @@ present) and takes the rest from a base preset, listing which fields it measured
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,15 @@ def probe(base: str = DEFAULT, seconds: float = 0.5) -> tuple[Hardware, dict]:
     values = {**asdict(ref), **measured, "name": "probed",
               "source": f"expertcache probe; unmeasured fields from preset {ref.name}"}
     return Hardware(**values), {"measured": sorted(measured), "base": ref.name}
+
+
+@functools.lru_cache(maxsize=1)
+def measured_here(seconds: float = 0.05) -> Hardware:
+    """This machine's rates from a short probe (about half a second), once per process: what
+    ``miss='auto'`` weighs fetching against CPU compute with when no profile is given."""
+    hw, report = probe(seconds=seconds)
+    return replace(hw, name="measured at load",
+                   source=f"expertcache probe at load ({seconds} s a rate; measured {', '.join(report['measured'])})")
 
 
 def cpu_gflops(seconds: float = 0.5, n: int = 1024) -> float:

@@ -36,7 +36,8 @@ def offload(model_or_path, *, config: CacheConfig | None = None, **settings):
     ``slot_format`` ('auto', 'quantized', 'dequantized') and ``host_memory`` ('auto', 'copy',
     'mmap') for quantized experts, ``cpu_kernel`` ('auto', 'ggml', 'torch': how quantized experts
     computed on the CPU do their math, docs/cpu.md), ``hardware`` (a preset or probe profile) for the cost
-    model of ``miss='auto'``.
+    model of ``miss='auto'``, ``planner`` ('host', or 'device': decode steps on the device, the
+    policy ``lag`` forwards behind, staging rows in ``staging_blocks`` blocks; docs/runtime.md).
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """
     if config is not None and settings:
@@ -82,9 +83,14 @@ def _imatrix_counts(config: CacheConfig, found):
 
 
 def _hardware(config: CacheConfig):
-    """The cost model's rates for the 'auto' miss path (a preset or a probe profile)."""
+    """The cost model's rates for the 'auto' miss path: the profile or preset given, else this
+    machine's, measured once per process (a preset's PCIe and CPU rates can be far off)."""
     from ..costmodel import DEFAULT, load_hardware
-    return load_hardware(config.hardware or DEFAULT)
+    from ..costmodel.hardware import measured_here
+
+    if config.hardware is not None:
+        return load_hardware(config.hardware)
+    return measured_here() if config.effective().miss == "auto" else load_hardware(DEFAULT)
 
 
 def _check_uniform(hosts: list[HostExperts], found) -> None:

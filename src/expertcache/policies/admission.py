@@ -55,3 +55,29 @@ class Window(AdmissionPolicy):
         if n < 1 or w < 1:
             raise ValueError("parameters 'n' and 'w' of policy 'window' must be at least 1")
         self.n, self.w = n, w
+
+
+@register
+class Oracle(AdmissionPolicy):
+    name = "oracle"
+    kernel = 4  # ORACLE
+    description = ("offline: admit a miss only if the victim's next use is later than the key's "
+                   "(belady+oracle = MIN with bypass, the true optimum); replays only")
+    records = False
+    needs_future = compares_victim = True
+
+
+@register
+class Freq(AdmissionPolicy):
+    name = "freq"
+    kernel = 5  # FREQ
+    description = ("TinyLFU-style: in a step of more than `narrow` keys (a batch; 0: top-k), admit a "
+                   "miss only if its key was used more often than the victim (counts halve every "
+                   "`reset` accesses); free slots take anything")
+    params = {"reset": 65536, "narrow": 0}
+    compares_victim = True
+
+    def __init__(self, reset: int = 65536, narrow: int = 0) -> None:
+        if reset < 1:
+            raise ValueError("parameter 'reset' of policy 'freq' must be at least 1")
+        self.reset, self.narrow = reset, narrow

@@ -71,6 +71,11 @@ class AdmissionPolicy:
     params: ClassVar[dict[str, object]] = {}
     # False lets the table skip ``record`` calls on its hot path.
     records: ClassVar[bool] = True
+    # True for an oracle rule that reads the future (``oracle``): replays only.
+    needs_future: ClassVar[bool] = False
+    # True for a built-in rule that weighs the key against the victim (``oracle``, ``freq``):
+    # the compiled step asks it, so it runs with built-in eviction policies only.
+    compares_victim: ClassVar[bool] = False
     # A built-in rule's code in the compiled step (policies/kernels/skeleton.py); None for a
     # plug-in, whose record / admit run as Python methods.
     kernel: ClassVar[int | None] = None

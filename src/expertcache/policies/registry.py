@@ -171,7 +171,9 @@ class PolicySpec:
 
     @property
     def needs_future(self) -> bool:
-        return self.kind == "eviction" and self.cls.wants_future(self.params)
+        if self.kind == "admission":
+            return self.cls.needs_future
+        return self.cls.wants_future(self.params)
 
     def changed(self) -> dict[str, object]:
         """The parameters that differ from the policy's defaults."""

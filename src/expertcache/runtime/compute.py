@@ -11,8 +11,17 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-# transformers' dispatcher: torch grouped_mm where the device supports it, else a Python loop
-from transformers.integrations.moe import _can_use_grouped_mm, _grouped_mm
+
+# torch's own grouped matmul (public ``F.grouped_mm`` from torch 2.10, ``torch._grouped_mm`` before):
+# called directly, not through transformers' private dispatcher, whose names and rules change
+# between releases (the GPU image has transformers 5.17, development 5.25)
+GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# the only (device capability majors, dtype) with torch's fast grouped kernel: bf16 on Hopper (sm90)
+# and Blackwell (sm100). Elsewhere torch falls back to a loop that reads the offsets back to the
+# host, a sync per call, and the loop of matmuls over used slots is the better choice.
+FAST_GROUPED_MM = {9, 10}
+# most weight elements one grouped matmul's view spans (int32 indexing stays safe below it)
+GROUPED_MAX_ELEMENTS = 2 ** 31 - 1
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -34,15 +43,14 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     weights [T, K]; pool kind -> [S, ...]. Returns [T, H]. Reads the weights in place
     from the pool, no gather copy of any expert. ``groups``: (slot, pairs routed to it)
     in slot order, known on the host from the plan, so neither strategy syncs (derived
-    from slot_idx when omitted). ``grouped``: one grouped matmul over all slots (the
-    device kernel); otherwise a loop of matmuls over the used slots (the host, or a
-    device whose grouped_mm does not take this dtype). ``transposed``: whether the
+    from slot_idx when omitted). ``grouped``: a grouped matmul over the windows of used
+    slots (the device kernel; ``_windows``); otherwise a loop of matmuls over the used
+    slots (the host, or a device without torch's fast grouped kernel for this dtype). ``transposed``: whether the
     pool's weights are ``[in, out]`` (default: the module's own ``is_transposed``;
     dequantized GGUF experts are always ``[out, in]``).
     """
     first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
-    w_up, w_down = pool[first], pool["down_proj"]
-    S = w_up.shape[0]
+    S = pool[first].shape[0]
     T, K = slot_idx.shape
     if transposed is None:
         transposed = getattr(module, "is_transposed", False)
@@ -52,7 +60,9 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     ids, perm = torch.sort(slot_idx.reshape(-1))       # [T*K] pairs grouped by slot; excluded last
     ids, perm = ids[:n], perm[:n]                      # [N] only the pairs of this pass
     x = hidden[perm // K]                              # [N, H], tokens grouped by slot
-    matmul = _grouped(ids, S) if grouped else _looped(groups)
+    w_up, w_down = pool[first], pool["down_proj"]
+    per_slot = max(w_up[0].numel(), w_down[0].numel())
+    matmul = _grouped(ids, _windows(groups, per_slot)) if grouped else _looped(groups)
     b_up = pool[first + "_bias"][ids] if first + "_bias" in pool else None
     proj = matmul(x, w_up, transposed)
     proj = _activate(module, proj if b_up is None else proj + b_up)
@@ -67,12 +77,42 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
     return full.view(T, K, -1).sum(dim=1).to(hidden.dtype)        # [T, H], rank-order sum per token
 
 
-def _grouped(ids: torch.Tensor, S: int):
-    """One grouped matmul: per-slot offsets computed on the device from the sorted slot ids."""
-    counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(),  # CPU histc: floats
-                         bins=S, min=0, max=S - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    return lambda x, w, transposed: _grouped_mm(x, w if transposed else w.transpose(-2, -1), offs=offsets)
+def _windows(groups: list[tuple[int, int]], per_slot: int) -> list[tuple[int, int, int, int]]:
+    """(lo, hi, first pair, end pair) per window: runs of the used slots, each under
+    ``GROUPED_MAX_ELEMENTS`` weight elements from its first slot to its last.
+
+    One grouped matmul reads the slots ``lo..hi-1`` of a window (views, no copy), never the
+    whole pool: at real sizes a pool is thousands of groups and a weight view past 2^31
+    elements (768 bf16 Qwen3 slots: 2.4e9), which no test at 4-8 layers reaches. ``groups``
+    (slot, pairs) in slot order is host-known, so this reads nothing back.
+    """
+    out, first, start = [], 0, 0
+    for i, (slot, _) in enumerate(groups):
+        if i > first and (slot - groups[first][0] + 1) * per_slot > GROUPED_MAX_ELEMENTS:
+            end = start + sum(n for _, n in groups[first:i])
+            out.append((groups[first][0], groups[i - 1][0] + 1, start, end))
+            first, start = i, end
+    if groups:
+        out.append((groups[first][0], groups[-1][0] + 1, start, start + sum(n for _, n in groups[first:])))
+    return out
+
+
+def _grouped(ids: torch.Tensor, windows: list[tuple[int, int, int, int]]):
+    """One grouped matmul per window; per-slot offsets computed on the device from the sorted ids."""
+    offsets = []
+    for lo, hi, a, b in windows:
+        local = ids[a:b] - lo
+        counts = torch.histc(local.float() if ids.device.type == "cpu" else local.int(),  # CPU histc: floats
+                             bins=hi - lo, min=0, max=hi - lo - 1)
+        offsets.append(torch.cumsum(counts, dim=0, dtype=torch.int32))
+
+    def matmul(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+        outs = []
+        for (lo, hi, a, b), offs in zip(windows, offsets):
+            part = w[lo:hi]
+            outs.append(GROUPED_MM(x[a:b].to(w.dtype), part if transposed else part.transpose(-2, -1), offs=offs))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return matmul
 
 
 def _looped(groups: list[tuple[int, int]]):
@@ -87,17 +127,23 @@ def _looped(groups: list[tuple[int, int]]):
     return matmul
 
 
+def fast_grouped_mm(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Whether torch has a fast grouped kernel here: CUDA, bf16, sm90 or sm100 (``FAST_GROUPED_MM``)."""
+    return (GROUPED_MM is not None and device_type == "cuda" and dtype == torch.bfloat16
+            and capability is not None and capability[0] in FAST_GROUPED_MM)
+
+
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Probe once whether this device's grouped matmul takes ``dtype`` (older kernels: bf16 only)."""
-    if device.type == "cpu":
-        return False  # the loop is faster on the host
+    """Whether pools on ``device`` in ``dtype`` take one grouped matmul (else a loop over used slots):
+    only where torch's fast kernel exists, and only if a probe on the device gives the right sums."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if not fast_grouped_mm(device.type, dtype, capability):
+        return False  # the host (the loop is faster there), or torch's syncing fallback
     try:
         x = torch.ones(4, 16, device=device, dtype=dtype)
         w = torch.ones(2, 16, 16, device=device, dtype=dtype)
         offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
-        if not _can_use_grouped_mm(x, w, offs):
-            return False  # its fallback reads offsets back to the host: a sync per call
-        y = _grouped_mm(x, w, offs=offs)
+        y = GROUPED_MM(x, w, offs=offs)
         return bool(torch.allclose(y.float().cpu(), torch.full((4, 16), 16.0)))
     except (RuntimeError, NotImplementedError):
         return False

@@ -20,14 +20,12 @@ configurations keep the host planner (``planner_reason`` says why).
 
 from __future__ import annotations
 
-from itertools import chain
-
 import torch
 
 from ..lagged import LaggedTable
 from ..stats import DECODE, Stats
 from .compute import _activate
-from .devicestep import DeviceStep
+from .devicestep import DeviceStep, LaggedDriver
 
 
 def device_planner_refusal(cache) -> str | None:
@@ -38,69 +36,35 @@ def device_planner_refusal(cache) -> str | None:
         return f"slot format {cache.slot_format!r}: the device step stages plain (float) experts only"
     if cache.miss != "fetch":
         return f"miss path {cache.miss!r} computes misses on the host; the device step fetches them"
-    if cache.pool.staging < 1:
-        return "the pool has no staging rows"
+    if cache.pool.staging < max(1, cache.config.staging_blocks):
+        return (f"staging_blocks={cache.config.staging_blocks} needs as many staging rows; the pool "
+                f"has {cache.pool.staging}")
     return None
 
 
-class DevicePlanner:
+class DevicePlanner(LaggedDriver):
     """The device step and the lagged table of one ``ExpertCache`` (``cache.planner``)."""
 
-    def __init__(self, cache, lag: int, max_tokens: int = 256) -> None:
+    def __init__(self, cache, lag: int, blocks: int = 1, max_tokens: int = 256) -> None:
         pool = cache.pool
         self.cache = cache
-        self.step = DeviceStep(pool.tensors, [h.tensors for h in cache.hosts], pool.slots,
-                               top_k=cache.top_k, max_tokens=max_tokens, resident=cache.table.resident())
-        self.lagged = LaggedTable(cache.table, lag, pool.staging)
+        step = DeviceStep(pool.tensors, [h.tensors for h in cache.hosts], pool.slots, top_k=cache.top_k,
+                          max_tokens=max_tokens, blocks=blocks, resident=cache.table.resident())
+        super().__init__(step, LaggedTable(cache.table, lag, pool.staging, blocks))
         self.active = False  # whether the current forward runs on the device
-        self._recorded = 0   # tokens of the last device forward, not yet observed (0: none)
         self.transposed = cache.hosts[0].transposed
-        self.copies = [[0] * cache.num_layers for _ in range(2)]  # [phase][layer] experts copied
-        self.device_forwards = self.host_forwards = 0
 
-    # -- once per forward, on the host ---------------------------------------------------------
     def begin_forward(self, tokens: int | None, phase: int | None) -> None:
         """Before a forward of ``tokens`` new tokens in all (batch x new tokens)."""
-        self.observe()
-        device = phase == DECODE and tokens is not None and self.step.fits(tokens)
-        updates = self.lagged.begin() if device else self.lagged.flush()
-        self._count_loads(updates)
-        self.step.apply(updates)
-        self.active = device
-        if device:
-            self._recorded, self.device_forwards = tokens, self.device_forwards + 1
-        else:
-            self.host_forwards += 1
+        self.active = self.begin(tokens, phase == DECODE)
 
-    def observe(self) -> None:
-        """Hand the last device forward's routing to the lagged table (once)."""
-        T, self._recorded = self._recorded, 0
-        if not T:
-            return
-        if self.step.routed_event is not None:
-            self.step.routed_event.synchronize()  # the forward's routing is in host memory
-        steps = [list(dict.fromkeys(chain.from_iterable(self.step.routing(l, T).tolist())))
-                 for l in range(self.cache.num_layers)]
-        resident, E = self.lagged.resident, self.cache.num_experts
-        for layer, experts in enumerate(steps):  # every miss is one copy into a staging row
-            self.copies[DECODE][layer] += sum(1 for e in experts if layer * E + e not in resident)
-        self.lagged.observe(steps, DECODE, self.step.staged_rows(T))
-
-    def _count_loads(self, updates) -> None:
-        for layer, _expert, slot, source in updates:
-            if slot >= 0 and source < 0:
-                self.copies[DECODE][layer] += 1
-
-    # -- host-planned steps -------------------------------------------------------------------
-    def host_step(self, layer: int, experts: list[int], phase: int):
-        """The table's plan for a host-planned step; the device map follows it."""
-        plan = self.lagged.host_step(layer, experts, phase)
-        if plan.evictions or plan.loads:  # the host path copies the weights itself (pool.load)
-            E = self.cache.num_experts
-            entries = dict.fromkeys(plan.evictions, -1)
-            entries.update(plan.loads)
-            self.step.write_map([(k // E, k % E, s) for k, s in entries.items()])
-        return plan
+    def before_apply(self, device: bool) -> None:
+        pool = self.cache.pool
+        if pool.cuda:  # the two paths share the pool: order their streams at the switch
+            if device:
+                pool.ready()  # device steps read slots the host path loaded on its copy stream
+            else:  # host-path loads (copy stream) must not overwrite rows device steps still read
+                pool.copy_stream.wait_stream(torch.cuda.current_stream(pool.device))
 
     # -- the device step ------------------------------------------------------------------------
     def run(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -124,7 +88,7 @@ class DevicePlanner:
     def reset_stats(self) -> None:
         self.observe()
         self.lagged.reset_stats()
-        self.copies = [[0] * self.cache.num_layers for _ in range(2)]
+        self.copies = [[0] * self.step.num_layers for _ in range(2)]
 
 
 def slots_kernel(module: torch.nn.Module, pool: dict[str, torch.Tensor], transposed: bool):

@@ -3,9 +3,11 @@
 Engine-agnostic (our transformers runtime and the vLLM plug-in use it alike): it knows
 a pool of weight tensors ``[S + R, ...]`` (S cache slots, then R staging rows), each
 layer's host store ``[E, ...]`` under the same names, and a kernel
-``kernel(x, weights, slot_ids) -> [T, H]`` that reads the pool by row id. Nothing in a
-step reads a tensor back to the host, branches on a tensor's value or makes a shape that
-depends on data, so a step can run inside a CUDA graph or ``torch.compile(fullgraph=True)``.
+``kernel(x, weights, slot_ids) -> [T, H]`` that reads the pool by row id (ids run up to
+S + R - 1: a kernel that takes an expert count must be given S + R). Nothing in a step reads
+a tensor back to the host or branches on a tensor's value, and on CUDA and when traced no
+shape depends on data, so a step can run inside a CUDA graph or
+``torch.compile(fullgraph=True)`` (the CPU in eager mode compacts its staging copy, below).
 
 API (stable; the vLLM plug-in builds on it)::
 
@@ -27,18 +29,25 @@ API (stable; the vLLM plug-in builds on it)::
                                   # staging row or -1)], before a forward (lagged.Update)
     step.apply_fixed(buffers)     # the same from fixed-size buffers (graph-safe)
 
+    driver = LaggedDriver(step, LaggedTable(table, lag, staging=R))  # the host side, per forward:
+    device = driver.begin(T, decode)   # observe the last forward, apply due decisions; True:
+                                       # run this forward's layers with step.run
+    plan = driver.host_step(layer, experts, phase)   # a host-planned step (the map follows)
+
 How a step works (``remap``): the layer's row of ``slot_map`` is looked up for the step's ids;
 the experts used but not resident are ranked in expert-id order (mask, cumsum) and the
-expert of rank r takes row r of the layer's staging block (``first_staging_row(layer) + r``); ids become slot or staging rows. ``stage``
-copies the staged experts' rows from the host store into the staging rows: a fixed
-number of rows, ``min(T*K, E, R // blocks)``; rows without a miss hold the sentinel E. On
-the CPU that is an index copy: in eager mode of the rows with an expert only (a boolean mask,
-a data-dependent shape that costs the host nothing: there is no device to wait for); traced
-(``torch.compile``) of all rows, sentinel rows copying the layer's last expert, which is
-harmless: the kernel never reads them. On CUDA the host store is pinned and read in place through a
-device view of it (zero-copy, UVA: ``cuda_view``), by a Triton kernel whose masked
-loads read nothing for sentinel rows; without Triton, by ``index_select`` on the view
-(sentinel rows then read the last expert over PCIe). Exactness: with ``fits(T)`` every
+expert of rank r takes row r of the layer's staging block (``first_staging_row(layer) + r``);
+ids become slot or staging rows. ``stage`` copies the staged experts' rows from the host
+store into the staging rows: a fixed number of rows, ``min(T*K, E, R // blocks)``; rows
+without a miss hold the sentinel E. On the CPU that is an index copy: in eager mode of the
+rows with an expert only (a boolean mask, a data-dependent shape that costs the host
+nothing: there is no device to wait for); traced (``torch.compile``) of all rows, sentinel
+rows copying the layer's last expert, which is harmless: the kernel never reads them. On
+CUDA the host store is pinned and read in place through a device view of it (zero-copy,
+UVA: ``cuda_view``), by a Triton kernel whose masked loads read nothing for sentinel rows;
+without Triton, by ``index_select`` on the view (sentinel rows then read the last expert
+over the bus). ``apply`` is issued by the host between forwards (small copies); inside a
+captured graph use ``fill_fixed`` + ``apply_fixed`` instead. Exactness: with ``fits(T)`` every
 expert a step needs is in a slot or a staging row when the kernel runs.
 
 Which experts are resident is the host's business (``expertcache.lagged.LaggedTable``,
@@ -49,8 +58,12 @@ changes. A resident entry of ``slot_map`` must always name a slot that holds the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 import torch
+
+from ..lagged import LaggedTable
+from ..stats import DECODE
 
 
 class DeviceStep:
@@ -139,26 +152,37 @@ class DeviceStep:
     def routing(self, layer: int, tokens: int) -> torch.Tensor:
         """The ids [T, K] layer ``layer`` recorded in the latest forward (host memory).
 
-        On CUDA, wait for ``routed_event`` first (``LaggedRouting`` does)."""
+        On CUDA, wait for ``routed_event`` first (``LaggedDriver.observe`` does)."""
         return self.routed[layer, :tokens]
 
     # -- slot changes from the host ---------------------------------------------------------
     def apply(self, updates: Sequence[tuple[int, int, int, int]]) -> None:
         """Apply the host's slot changes ``(layer, expert, slot or -1, staging row or -1)``:
         the expert's map entry becomes ``slot``; a slot gets its weights from the staging row
-        named (a device copy) or else from the host store. Issued by the host between forwards
-        (order-free: slots are distinct and staging rows are never written here)."""
+        named (a device copy) or else from the host store (CUDA: through its device view).
+        Issued by the host between forwards, batched: one copy per weight kind for the loads
+        from staging rows and one per layer for those from the host (order-free: slots are
+        distinct, and staging rows are never written here)."""
         if not updates:
             return
-        layers, experts, slots, sources = (list(c) for c in zip(*updates))
-        entry = torch.tensor(slots, dtype=torch.int32)
-        self.slot_map[torch.tensor(layers), torch.tensor(experts)] = entry.to(self.device, non_blocking=self.cuda)
+        self.write_map([(layer, expert, slot) for layer, expert, slot, _ in updates])
+        # U updates with a slot: from a staging row, or from a layer's host store
+        staged = [(slot, self.slots + source) for _, _, slot, source in updates if slot >= 0 and source >= 0]
+        hosted: dict[int, list[tuple[int, int]]] = {}
         for layer, expert, slot, source in updates:
-            if slot < 0:
-                continue
+            if slot >= 0 and source < 0:
+                hosted.setdefault(layer, []).append((slot, expert))
+        if staged:
+            dst_rows, src_rows = (self._index(c) for c in zip(*staged))
+            for dst in self.pool.values():
+                dst.index_copy_(0, dst_rows, dst.index_select(0, src_rows))
+        for layer, pairs in hosted.items():
+            dst_rows, experts = (self._index(c) for c in zip(*pairs))
             for kind, dst in self.pool.items():
-                src = dst[self.slots + source] if source >= 0 else self.hosts[layer][kind][expert]
-                dst[slot].copy_(src, non_blocking=self.cuda)
+                dst.index_copy_(0, dst_rows, self.sources[layer][kind].index_select(0, experts))
+
+    def _index(self, values) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64).to(self.device, non_blocking=self.cuda)
 
     def write_map(self, entries: Sequence[tuple[int, int, int]]) -> None:
         """Set map entries ``(layer, expert, slot or -1)`` only: for slots the caller filled
@@ -217,6 +241,70 @@ class DeviceStep:
                 gather_rows(self.sources[layer_id][kind], host_rows, fetched)
                 on_device = torch.where(mine.view(-1, *[1] * (dst.ndim - 1)), fetched, on_device)
             dst.index_copy_(0, dst_row, on_device)
+
+
+class LaggedDriver:
+    """The host's side of a ``DeviceStep``, once per forward (engine-agnostic).
+
+    ``begin(tokens, decode)`` before each forward: hands the previous device forward's routing
+    to ``lagged`` (``observe``), applies the decisions now due (``lag`` forwards old; all of
+    them before a host-planned forward) and returns whether this forward runs on the device
+    (decode that ``step.fits``). A host-planned forward calls ``host_step`` per layer for its
+    plan (the device map follows it; the engine copies the weights itself). ``copies``
+    [phase][layer]: experts copied from the host by the device path (staged misses, loads
+    without a staging row). ``before_apply(device)``: a hook for engines that must order
+    streams at the switch.
+    """
+
+    def __init__(self, step: DeviceStep, lagged: LaggedTable) -> None:
+        self.step, self.lagged = step, lagged
+        self._recorded = 0   # tokens of the last device forward, not yet observed (0: none)
+        self.copies = [[0] * step.num_layers for _ in range(2)]
+        self.device_forwards = self.host_forwards = 0
+
+    def begin(self, tokens: int | None, decode: bool) -> bool:
+        self.observe()
+        device = bool(decode) and tokens is not None and self.step.fits(tokens)
+        updates = self.lagged.begin() if device else self.lagged.flush()
+        for layer, _expert, slot, source in updates:
+            if slot >= 0 and source < 0:
+                self.copies[DECODE][layer] += 1
+        self.before_apply(device)
+        self.step.apply(updates)
+        if device:
+            self._recorded, self.device_forwards = tokens, self.device_forwards + 1
+        else:
+            self.host_forwards += 1
+        return device
+
+    def before_apply(self, device: bool) -> None:
+        pass
+
+    def observe(self) -> None:
+        """Hand the last device forward's routing to the lagged table (once; on CUDA after the
+        routing's copy to host memory completed)."""
+        T, self._recorded = self._recorded, 0
+        if not T:
+            return
+        step = self.step
+        if step.routed_event is not None:
+            step.routed_event.synchronize()
+        steps = [list(dict.fromkeys(chain.from_iterable(step.routing(l, T).tolist())))
+                 for l in range(step.num_layers)]
+        resident, E = self.lagged.resident, step.num_experts
+        for layer, experts in enumerate(steps):  # every miss is one copy into a staging row
+            self.copies[DECODE][layer] += sum(1 for e in experts if layer * E + e not in resident)
+        self.lagged.observe(steps, DECODE, step.staged_rows(T))
+
+    def host_step(self, layer: int, experts: Sequence[int], phase: int):
+        """The table's plan for a host-planned step (``Plan``); the device map follows it."""
+        plan = self.lagged.host_step(layer, experts, phase)
+        if plan.evictions or plan.loads:
+            E = self.step.num_experts
+            entries = dict.fromkeys(plan.evictions, -1)
+            entries.update(plan.loads)
+            self.step.write_map([(k // E, k % E, s) for k, s in entries.items()])
+        return plan
 
 
 def assign_staging(row: torch.Tensor, topk_ids: torch.Tensor, first: int, width: int,

@@ -74,8 +74,8 @@ class ExpertCache:
         refusal = device_planner_refusal(self)
         if refusal is not None:
             return None, f"planner='device' refused, host planner used: {refusal}"
-        return DevicePlanner(self, config.lag), (f"planner='device': decode steps on the device, the "
-                                                 f"policy {config.lag} forward(s) behind")
+        why = f"planner='device': decode steps on the device, the policy {config.lag} forward(s) behind"
+        return DevicePlanner(self, config.lag, config.staging_blocks), why
 
     def _cpu_kernel(self, choice: str) -> tuple[str, str]:
         if self.codec is None:
@@ -170,12 +170,17 @@ class ExpertCache:
     def stats(self) -> LiveStats:
         mode, reason = self.host_mode
         dense = report_of(self.model)
-        table, h2d = self.table.stats(), self.h2d
+        table, h2d, planner = self.table.stats(), self.h2d, {"planner": "host"}
         if self.planner is not None:  # counts as the device met them (lagged.py)
             table = self.planner.stats()
             h2d = [[a + b for a, b in zip(mine, dev)]
                    for mine, dev in zip(self.h2d, self.planner.h2d(self.expert_bytes))]
-        return LiveStats(table, h2d, {
+            p, lagged = self.planner, self.planner.lagged
+            planner = {"planner": "device", "lag": lagged.lag, "staging_blocks": p.step.blocks,
+                       "device_forwards": p.device_forwards, "host_forwards": p.host_forwards,
+                       "pending_forwards": lagged.pending, "loads_from_staging": lagged.staging_loads,
+                       "loads_from_host": lagged.host_loads}
+        return LiveStats(table, h2d, {**planner,
             "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
             "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
             # the non-expert weights (a GGUF's lm_head, attention, embedding): runtime/cpudense.py
@@ -225,6 +230,8 @@ class ExpertCache:
                 "quant": None if self.codec is None else sorted({p.fmt.name for h in self.hosts
                                                                  for p in h.codec.parts}),
                 "host_memory": mode, "host_memory_reason": reason,
+                "hardware": self.hardware.name, "hardware_source": self.hardware.source,
+                "planner": "host" if self.planner is None else "device", "planner_reason": self.planner_reason,
                 "device": str(self.device), "config": self.config.to_dict()}
 
     def __repr__(self) -> str:

@@ -3,14 +3,17 @@
 Registered as ``ExpertsInterface`` implementation "expertcache". Per MoE layer
 forward: read the router's choices to the host (the one device-to-host sync of the
 step), ask the SlotTable for a plan, copy loads into their slots, then compute hits
-and fetched experts from the pool in one grouped matmul over slot ids, stream
-excess bypasses through staging slots, and hand CPU-path experts to the host.
+and fetched experts from the pool in grouped matmuls over slot ids (on CUDA the hits
+first, while the misses' copies run), stream excess bypasses through staging slots
+(two alternating banks on CUDA), and hand CPU-path experts to the host, with the
+activations copied there only for such a step.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from itertools import chain
+from typing import Sequence
 
 import torch
 
@@ -39,8 +42,7 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     planner = cache.planner
     if planner is not None and planner.active:  # planner='device': no host read (devicepath.py)
         return planner.run(layer, module, hidden, top_k_index, top_k_weights)
-    want_acts = cache.miss != "fetch"
-    idx_h, hidden_h, weights_h = _to_host(top_k_index, hidden, top_k_weights, want_acts)
+    idx_h = _ids_to_host(top_k_index)
     idx_rows = idx_h.tolist()
     phase = cache.phase if cache.phase is not None else (PREFILL if len(idx_rows) > 1 else DECODE)
     experts = list(dict.fromkeys(chain.from_iterable(idx_rows)))
@@ -52,21 +54,24 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     for key, slot in plan.loads.items():  # the table now counts these resident: always copy
         cache.h2d[phase][layer] += pool.load(slot, host, key - base)
 
-    on_device = {key - base: slot for key, slot in plan.hits.items()}
-    staged, on_cpu = [], []
+    hits = {key - base: slot for key, slot in plan.hits.items()}
+    loads, staged, on_cpu = {}, [], []
     tokens = Counter(chain.from_iterable(idx_rows)) if cache.miss == "auto" else None
     for key, slot in plan.loads.items():
         if cache.compute_on_cpu(key - base, tokens):
             on_cpu.append(key - base)  # its copy still lands in the slot, for later hits
         else:
-            on_device[key - base] = slot
+            loads[key - base] = slot
     for key in plan.bypasses:
         (on_cpu if cache.compute_on_cpu(key - base, tokens) else staged).append(key - base)
 
+    # the activations go to the host only for a step that computes there; fetched before any
+    # device pass is queued, so the copy waits for nothing but itself
+    hidden_h, weights_h = _acts_to_host(hidden, top_k_weights) if on_cpu else (None, None)
     out = _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights,
-                         idx_rows, on_device, staged)
+                         idx_rows, hits, loads, staged)
     if on_cpu:  # runs on the host while the device works through the rounds queued above
-        if cache.kernels is not None and not on_device and not staged:
+        if cache.kernels is not None and not hits and not loads and not staged:
             # every pair of the step on the host's bytes (baseline cpu, a step of misses): the
             # routed pass, no per-pair Python
             y = cache.kernels[layer].routed(module, hidden_h, idx_h, weights_h, host.tensors)
@@ -84,31 +89,50 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     return out
 
 
-def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights, idx_rows,
-                   on_device: dict[int, int], staged: list[int]) -> torch.Tensor | None:
-    """Compute device experts; bypasses beyond the staging slots go in further rounds.
+def plan_rounds(hits: dict[int, int], loads: dict[int, int], staged: list[int], staging: Sequence[int],
+                max_view: int | None, overlap: bool) -> list[tuple[dict[int, int], list[tuple[int, int]]]]:
+    """A step's device passes: (expert -> slot each pass computes, (expert, staging slot) copies
+    issued just before it).
 
-    With quantized slots a round also holds at most ``pool.max_view`` experts: the
-    scratch they are dequantized into for the round.
+    ``max_view`` (quantized slots) caps the experts of a pass: the scratch they are dequantized
+    into. With ``overlap`` (CUDA, where copies run beside compute):
+    - hits get a pass of their own, ahead of the loaded experts: it waits for no copy, so the
+      device computes what is resident while the misses cross PCIe;
+    - bypasses beyond the staging slots alternate between two banks of them, so one round's
+      copies run while the round before it computes (one bank: each copy would wait for it).
+    Without a scratch cap the first staged experts join the last pass that waits for copies anyway.
     """
-    pool, host = cache.pool, cache.hosts[layer]
-    staging = pool.staging_ids
+    if overlap and hits and loads:
+        passes = _chunks(list(hits.items()), max_view) + _chunks(list(loads.items()), max_view)
+    else:
+        passes = _chunks([*hits.items(), *loads.items()], max_view)
+    rounds = [(dict(p), []) for p in passes] or [({}, [])]
     if staged and not staging:
         raise RuntimeError("a bypassed expert needs a staging slot but the pool has none")
-    width = min(len(staging) or 1, pool.max_view or len(staging) or 1)
-    staged_rounds = [list(zip(staged[i:i + width], staging)) for i in range(0, len(staged), width)]
-    rounds = [(dict(c), []) for c in _chunks(list(on_device.items()), pool.max_view)] or [({}, [])]
-    if staged_rounds and pool.max_view is None:  # the first staged experts join the slots' matmul
+    staging = list(staging)
+    half = len(staging) // 2
+    banks = [staging[:half], staging[half:]] if overlap and len(staged) > len(staging) and half else [staging]
+    width = min(len(banks[0]) or 1, max_view or len(banks[0]) or 1)
+    staged_rounds = [list(zip(staged[i:i + width], banks[(i // width) % len(banks)]))
+                     for i in range(0, len(staged), width)]
+    joins = max_view is None and not (overlap and hits and not loads)  # never make hits wait
+    if staged_rounds and joins:
         first = staged_rounds.pop(0)
         rounds[-1] = ({**rounds[-1][0], **dict(first)}, first)
-    rounds += [(dict(c), c) for c in staged_rounds]
+    return rounds + [(dict(c), c) for c in staged_rounds]
+
+
+def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights, idx_rows,
+                   hits: dict[int, int], loads: dict[int, int], staged: list[int]) -> torch.Tensor | None:
+    """Compute the device's experts in the passes ``plan_rounds`` lays out."""
+    pool, host = cache.pool, cache.hosts[layer]
     out = None
-    for mapping, loads in rounds:
-        for expert, slot in loads:
+    for mapping, copies in plan_rounds(hits, loads, staged, pool.staging_ids, pool.max_view, pool.cuda):
+        for expert, slot in copies:
             cache.h2d[phase][layer] += pool.load(slot, host, expert)
         if not mapping:
             continue
-        pool.ready(mapping.values())  # compute waits for copies into the slots it reads
+        pool.ready(mapping.values())  # compute waits for copies into the slots it reads, only those
         if cache.direct:  # ggml on the slots' bytes (CPU): no dequantization, no scratch
             y = ggml_experts(cache.kernels[layer], module, hidden, top_k_weights, idx_rows, mapping, pool.tensors)
             out = y if out is None else out + y
@@ -142,11 +166,15 @@ def _slot_index(mapping: dict[int, int], num_experts: int, size: int,
     return lut[top_k_index]
 
 
-def _to_host(top_k_index: torch.Tensor, hidden: torch.Tensor, weights: torch.Tensor, want_acts: bool):
-    """Router choices [T, K] on the host (+ activations for the CPU path), with one sync at most."""
+def _ids_to_host(top_k_index: torch.Tensor) -> torch.Tensor:
+    """Router choices [T, K] on the host: the one device-to-host sync of a step."""
     if top_k_index.device.type != "cuda":
-        return top_k_index, hidden, weights
-    moved = [t.to("cpu", non_blocking=True) for t in ((top_k_index, hidden, weights) if want_acts
-                                                      else (top_k_index,))]
-    torch.cuda.current_stream(top_k_index.device).synchronize()  # the one D2H sync of this step
-    return moved[0], *(moved[1:] if want_acts else (None, None))
+        return top_k_index
+    ids = top_k_index.to("cpu", non_blocking=True)
+    torch.cuda.current_stream(top_k_index.device).synchronize()
+    return ids
+
+
+def _acts_to_host(hidden: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, H] and routing weights [T, K] on the host, for the experts computed there."""
+    return hidden.to("cpu"), weights.to("cpu")  # no-ops on the CPU

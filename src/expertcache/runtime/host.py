@@ -12,6 +12,9 @@ the quantized twin.
 
 from __future__ import annotations
 
+import mmap
+import weakref
+
 import numpy as np
 import torch
 
@@ -99,8 +102,46 @@ def host_mode(choice: str, device: torch.device, what: str, file_bytes: int | No
 
 def resident(data: torch.Tensor, mode: str) -> torch.Tensor:
     """``data`` (any device) as a contiguous host tensor, page-locked when ``mode`` is 'pinned'."""
-    data = data.detach().to("cpu").contiguous()
-    return data.pin_memory() if mode == "pinned" else data  # pin_memory() raises on CPU-only torch
+    data = data.detach()
+    if mode == "pinned":  # pinning raises on CPU-only torch
+        # already page-locked host memory (experts handed back by an earlier offload): no copy
+        done = data.device.type == "cpu" and data.is_contiguous() and data.is_pinned()
+        return data if done else pinned_copy(data)
+    return data.to("cpu").contiguous()
+
+
+# below this, torch's pinned allocator: its power-of-two rounding costs little there
+_REGISTER_MIN = 1 << 20
+_PORTABLE, _MAPPED = 1, 2  # cudaHostRegister flags
+
+
+def pinned_copy(data: torch.Tensor) -> torch.Tensor:
+    """A page-locked host copy of ``data`` (any device), in one copy, sized to the byte.
+
+    ``Tensor.pin_memory()`` copies into torch's caching host allocator, which rounds every block
+    up to a power of two (805 MB of experts took 1 GiB), after a first copy to the host when the
+    data is elsewhere. Large tensors here get their own anonymous mapping (page-aligned, no page
+    shared with anything else), locked with ``cudaHostRegister`` and unlocked when the tensor is
+    freed; the data is copied into it once, from wherever it is.
+    """
+    nbytes = data.numel() * data.element_size()
+    if nbytes < _REGISTER_MIN:
+        return data.to("cpu").contiguous().pin_memory()
+    buf = mmap.mmap(-1, nbytes)
+    out = torch.frombuffer(buf, dtype=data.dtype, count=data.numel()).view(data.shape)
+    cudart = torch.cuda.cudart()
+    # portable (every device) and mapped: the device step reads the store in place (devicestep.cuda_view)
+    if int(cudart.cudaHostRegister(out.data_ptr(), nbytes, _PORTABLE | _MAPPED)) != 0:
+        if hasattr(cudart, "cudaGetLastError"):
+            cudart.cudaGetLastError()  # the error is ours: no later kernel check may report it
+        return data.to("cpu").contiguous().pin_memory()
+    # the finalizer holds the mapping, so the pages outlive their registration
+    weakref.finalize(out, _unregister, out.data_ptr(), buf)
+    return out.copy_(data)
+
+
+def _unregister(ptr: int, buf: mmap.mmap) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def file_bytes(file, offset: int, experts: int, nbytes: int, mode: str) -> torch.Tensor:
@@ -109,7 +150,7 @@ def file_bytes(file, offset: int, experts: int, nbytes: int, mode: str) -> torch
     view = torch.from_numpy(np.memmap(file, dtype=np.uint8, mode="c", offset=offset, shape=(experts, nbytes)))
     if mode == "mmap":
         return view
-    return view.pin_memory() if mode == "pinned" else view.clone()
+    return pinned_copy(view) if mode == "pinned" else view.clone()  # one copy, out of the file
 
 
 class HostExperts:

@@ -10,10 +10,11 @@ scratch of the compute dtype; ``dequantized`` slots hold the compute dtype and
 ``load()`` copies the bytes into a small device buffer, then dequantizes into the slot.
 Either way only the quantized bytes cross from the host.
 
-On CUDA, loads run on a dedicated copy stream from pinned host memory. Two kinds of
-events keep it race-free without host syncs: compute waits for the copy stream
-(``ready``) before reading freshly loaded slots, and a load into a slot first waits
-for the compute that last read that slot (``mark_read``). On the CPU the pool is a
+On CUDA, loads run on a dedicated copy stream from pinned host memory. Events keep it
+race-free without host syncs: each load records one, and compute reading freshly loaded
+slots waits only for the loads into those slots (``ready``), so hits never wait for the
+copies of misses; a load into a slot first waits for the compute that last read that
+slot (``mark_read``); and the copy stream starts behind the pool's zero-fill. On the CPU the pool is a
 separate host buffer and loads are real memory copies, so the same code paths and
 byte counts are exercised.
 """
@@ -62,8 +63,12 @@ class SlotPool:
         dtype = self.codec.dtype if self.codec is not None else next(iter(layout.values()))[1]
         self.grouped = grouped_mm_works(self.device, dtype)  # else a loop of matmuls over used slots
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        if self.cuda:  # the zero-fill above ran on the compute stream: no copy may overtake it
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._read_done: list = [None] * self.size  # per slot: event after its last reader
-        self._fresh: set[int] = set()               # slots loaded since compute last waited
+        # slot -> (load number, event recorded after its copy): loads compute has not waited for
+        self._fresh: dict[int, tuple[int, object]] = {}
+        self._loads = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -93,7 +98,8 @@ class SlotPool:
             if self._read_done[slot] is not None:  # never overwrite a slot still being read
                 self.copy_stream.wait_event(self._read_done[slot])
             self._copy(slot, host, expert)
-        self._fresh.add(slot)
+            self._loads += 1
+            self._fresh[slot] = (self._loads, self.copy_stream.record_event())
         return host.expert_bytes
 
     def _copy(self, slot: int, host: HostExperts, expert: int) -> None:
@@ -136,12 +142,19 @@ class SlotPool:
     def ready(self, slots=None) -> None:
         """Make compute wait for the loads into ``slots`` (all when None); no host sync.
 
-        Only when one of them is still in flight: in the cpu miss path the copies of
-        planned loads then keep running while the device computes the hits.
+        Only for loads still unwaited, and only up to the latest of them: copies of other
+        slots (a step's misses, a later round's staging) keep running while the device
+        computes what is resident.
         """
-        if self.cuda and self._fresh and (slots is None or not self._fresh.isdisjoint(slots)):
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            self._fresh.clear()  # waiting on the stream covers every copy issued so far
+        if not self._fresh:
+            return
+        wanted = self._fresh.keys() if slots is None else self._fresh.keys() & set(slots)
+        if not wanted:
+            return
+        latest, event = max(self._fresh[s] for s in wanted)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        # the copy stream runs in order: every load up to the latest one is covered
+        self._fresh = {s: le for s, le in self._fresh.items() if le[0] > latest}
 
     def mark_read(self, slots) -> None:
         """Record that compute queued so far reads ``slots``; later loads into them wait for it."""

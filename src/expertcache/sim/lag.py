@@ -13,7 +13,9 @@ Lag 0 is the ordinary replay (``sim/replay.py``). Counts are the device's (modul
 ``lagged.py``); a live run with the same trace, policy, size and lag counts the same, as
 long as every decode batch fits the staging rows (otherwise the runtime plans that forward
 on the host). Bytes: every miss is one expert copied into a staging row; a load is copied
-from the staging row that still holds it, else once more from the host.
+from the staging row that still holds it, else once more from the host. A step is taken to
+write its whole staging block (the fixed-width copy; rows past its misses then hold nothing
+usable), as the runtime counts when batch x top-k fills the block.
 """
 
 from __future__ import annotations
@@ -87,5 +89,5 @@ def replay_rows(lagged: LaggedTable, rows: Sequence[Sequence[Sequence[int]]], ph
                 lagged.host_step(layer, experts, phase)
         else:
             lagged.begin()
-            lagged.observe(row, phase)
+            lagged.observe(row, phase, lagged.width)  # a step writes its whole staging block
 

@@ -22,6 +22,10 @@ from .replay import (ReplayPolicy, Prepared, ReplayResult, check_size, check_tab
                      kernel_result, lru_all_sizes, resolve_policy, table_replay)
 
 OPTIMUM = Belady.name
+# MIN with bypass: the optimum of a cache that may serve a miss without caching it (no
+# more misses than forced-admission Belady; the lower of the two is ``opt_misses``).
+BYPASS_OPTIMUM = f"{Belady.name}+oracle"
+OPTIMA = ((OPTIMUM, "always"), (OPTIMUM, "oracle"))
 STACK_SIZES = 3  # from this many LRU sizes on, one stack-distance pass beats a kernel per size
 
 _WORKER: Prepared | None = None  # the trace inside a worker process
@@ -70,9 +74,20 @@ def sweep(trace: Trace | Prepared, policies: Sequence[str | ReplayPolicy],
     return [done[i, s] for i in range(len(specs)) for s in slots_list]
 
 
-def optimum_misses(prep: Prepared, slots_list: Sequence[int], partition: str) -> dict[int, int]:
-    """Belady's misses at each size: the ``opt_misses`` every result is compared with."""
-    return {r.slots: r.misses for r in sweep(prep, [OPTIMUM], slots_list, partition, workers=1)}
+def optimum_misses(prep: Prepared, slots_list: Sequence[int], partition: str,
+                   done: Sequence[ReplayResult] = ()) -> dict[int, int]:
+    """The ``opt_misses`` every result is compared with: at each size the lower of Belady's
+    (forced admission) and MIN with bypass's misses; runs of either already in ``done``
+    are reused."""
+    have = {(r.policy, r.admission, r.slots): r.misses for r in done
+            if (r.policy, r.admission) in OPTIMA}
+    for policy, admission in OPTIMA:
+        missing = [s for s in slots_list if (policy, admission, s) not in have]
+        if missing:
+            name = OPTIMUM if admission == "always" else BYPASS_OPTIMUM
+            for r in sweep(prep, [name], missing, partition, workers=1):
+                have[policy, admission, r.slots] = r.misses
+    return {s: min(have[p, a, s] for p, a in OPTIMA) for s in slots_list}
 
 
 def sweep_sizes(trace: Trace, partition: str, points: int) -> list[int]:

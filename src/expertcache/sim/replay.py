@@ -119,7 +119,9 @@ def resolve_policy(spec: str | PolicyPair | ReplayPolicy, eviction_params: dict 
                           admission_spec(pair.admission.name, admission_params))
     label = label or (spec.strip() if isinstance(spec, str) else str(pair))
     if pair.eviction.name == "default":
-        label = label.replace("default", f"default ({_aliased(pair.eviction.cls)})", 1)
+        own = getattr(pair.eviction.cls, "admission", None)
+        own = f"+{own.split(':')[0]}" if own and pair.admission.name == "always" else ""
+        label = label.replace("default", f"default ({_aliased(pair.eviction.cls)}{own})", 1)
     return ReplayPolicy(pair, label)
 
 
@@ -275,7 +277,7 @@ def replay(trace: Trace | Prepared, policy: str | PolicyPair | ReplayPolicy, slo
                              "pip install 'expertcache[sim]' (or use engine 'table' or 'auto')")
         raise ValueError(f"no fast kernel for {spec.label!r} with these options; kernels cover "
                          "lru, fifo, belady, slru, arc, lfu, s3fifo and next-use with admission "
-                         "always, second-hit or window, without pinned or seeded keys (use "
+                         "always, second-hit, window or oracle, without pinned or seeded keys (use "
                          "engine 'table' or 'auto')")
     if kernel is not None and engine != "table":
         return kernel_result(prep, spec, kernel, slots, partition)
@@ -317,12 +319,21 @@ def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int)
     from ..policies.kernels.table import Admission
     policy = spec.policy(cap)
     nkeys, width = prep.L * prep.E, prep.keys.shape[1]
-    if policy.needs_future:  # the kernel replays ``keys``' rows: their future, built compiled
+    from ..policies.kernels import implied_admission
+    admission = Admission(*implied_admission(spec.eviction_cls, spec.admission_cls,
+                                             spec.admission_params),
+                          nkeys, parts, width, prep.trace.top_k)
+    if policy.needs_future or spec.spec.admission.needs_future:
+        # the kernel replays ``keys``' rows: their future, built compiled
         starts, uses, nexts = prep.future_arrays
-        policy.bind_future(Future.from_arrays(starts, uses, prep.keys, nexts))
+        future = Future.from_arrays(starts, uses, prep.keys, nexts)
+        if policy.needs_future:
+            policy.bind_future(future)
+        admission.bind_future(future, nkeys)
+        policy.ties_by_future = spec.spec.admission.needs_future  # MIN with bypass (belady)
     st = kernel.state(policy, nkeys, parts, cap, width)
     sc = skeleton.scratch(prep.L, nkeys, parts, width)
-    adm = Admission(spec.admission_cls, spec.admission_params, nkeys, parts).adm
+    adm = admission.adm
     kernel.replay(prep.keys, prep.phases, prep.L, parts, cap, st, sc, adm)
     return sc[0]
 

@@ -73,7 +73,16 @@ class Trace:
     def slice_tokens(self, stop: int) -> Trace:
         """The first ``stop`` tokens (for quick runs on long traces)."""
         cut = lambda a: None if a is None else a[:, :stop].copy()  # noqa: E731  [L, T, ...]: cut T
-        return Trace(self.experts[:, :stop].copy(), dict(self.meta), cut(self.weights),
+        meta = dict(self.meta)
+        if isinstance(meta.get("step_tokens"), list):  # a grouped trace: its steps cut too
+            sizes, left = [], stop
+            for n in meta["step_tokens"]:
+                if left <= 0:
+                    break
+                sizes.append(min(n, left))
+                left -= n
+            meta["step_tokens"] = sizes
+        return Trace(self.experts[:, :stop].copy(), meta, cut(self.weights),
                      None if self.phase is None else self.phase[:stop].copy(), cut(self.logits))
 
 

@@ -29,10 +29,13 @@ def fits(prep) -> bool:
 
 
 def state(policy, nkeys: int, parts: int, cap: int, width: int) -> tuple:
-    """Empty heaps at ``cap`` slots per partition, and ``policy``'s bound future."""
+    """Empty heaps at ``cap`` slots per partition, and ``policy``'s bound future. With
+    ``policy.ties_by_future`` (set for admission ``oracle``), keys needed at the same next
+    step are told apart by their later uses (``_latest_tie``)."""
     starts, uses, rows, nexts = policy.future_arrays(nkeys)
+    ties = np.empty(4 * width + 8 if getattr(policy, "ties_by_future", False) else 0, np.int64)
     return (*heap.new_heap(nkeys, parts, cap, width), starts, uses,
-            starts[:-1].copy(), rows, nexts, np.int64(cap))
+            starts[:-1].copy(), rows, nexts, np.int64(cap), ties)
 
 
 @njit(cache=True)
@@ -80,7 +83,7 @@ def _prio(key, s, j, starts, uses, cursor, rows, nexts):
 
 @hook
 def on_hit(key, p, s, j, st):
-    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity, ties = st
     i = where[key]
     prio[p * capacity + i] = _prio(key, s, j, starts, uses, cursor, rows, nexts)  # can only rise
     heap.up(prio, hkey, where, p * capacity, i)
@@ -88,19 +91,72 @@ def on_hit(key, p, s, j, st):
 
 @hook
 def find_victim(p, s, stamp, st):
-    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
-    return heap.min_unprotected(prio, hkey, stamp, s, p * capacity, size[p], todo)
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity, ties = st
+    victim = heap.min_unprotected(prio, hkey, stamp, s, p * capacity, size[p], todo)
+    if ties.shape[0] == 0 or victim < 0:
+        return victim
+    return _latest_tie(victim, prio, hkey, where, stamp, s, p * capacity, size[p], ties, starts,
+                       uses, cursor)
+
+
+@hook
+def _latest_tie(victim, prio, hkey, where, stamp, s, base, n, todo, starts, uses, cursor):
+    """Of the unprotected keys needed at the same step as ``victim``, the one whose later uses
+    come last (first differing use; none left = latest). A step needs many keys at once, so
+    next uses tie, and MIN with bypass is exact only with this order (tests/
+    test_oracle_bruteforce.py). They sit at the top of the heap, above every key needed sooner,
+    with at most one step's keys (protected, or the tie group) among them: a short search."""
+    top_nu = prio[base + where[victim]] >> KEY_BITS
+    if -top_nu - 1 >= _STEP_MAX:           # never used again: all alike
+        return victim
+    best, top = victim, 1
+    todo[0] = 0
+    while top > 0:
+        top -= 1
+        i = todo[top]
+        if i >= n or prio[base + i] >> KEY_BITS > top_nu:
+            continue                       # needed sooner: so is all below it
+        key = hkey[base + i]
+        if stamp[key] != s and key != best and prio[base + i] >> KEY_BITS == top_nu \
+                and _later(key, best, s, starts, uses, cursor):
+            best = key
+        todo[top] = 2 * i + 1   # visited: at most 2 x width entries, so todo holds them
+        todo[top + 1] = 2 * i + 2
+        top += 2
+    return best
+
+
+@hook
+def _later(a, b, s, starts, uses, cursor):
+    """Whether ``a``'s uses after step ``s`` come later than ``b``'s (first difference)."""
+    i, j, ea, eb = _cursor(a, s, starts, uses, cursor), _cursor(b, s, starts, uses, cursor), \
+        starts[a + 1], starts[b + 1]
+    while i < ea and j < eb:
+        if uses[i] != uses[j]:
+            return uses[i] > uses[j]
+        i += 1
+        j += 1
+    return i == ea and j < eb
+
+
+@hook
+def _cursor(key, s, starts, uses, cursor):
+    i, end = cursor[key], starts[key + 1]
+    while i < end and uses[i] <= s:
+        i += 1
+    cursor[key] = i
+    return i
 
 
 @hook
 def on_evict(key, p, st):
-    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity, ties = st
     heap.remove(prio, hkey, where, size, p, p * capacity, key)
 
 
 @hook
 def on_insert(key, p, s, j, st):
-    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity = st
+    prio, hkey, where, size, todo, starts, uses, cursor, rows, nexts, capacity, ties = st
     prio_key = _prio(key, s, j, starts, uses, cursor, rows, nexts)
     heap.push(prio, hkey, where, size, p, p * capacity, key, prio_key)
 

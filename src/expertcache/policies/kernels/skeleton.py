@@ -35,8 +35,15 @@ file: after editing this file, ``lists.py`` or ``heap.py``, clear the kernels'
 Admission is part of the step, chosen by the rule code ``adm[0]``
 (``AdmissionPolicy.kernel``): ``ALWAYS``; ``NEVER``; ``SECOND_HIT`` keeps a ghost LRU
 list of ``ghost`` keys per partition, touched by every access; ``WINDOW`` admits a key
-used ``n_uses`` times within its layer's last ``window`` steps. Either of the last two
-only decides when the miss would evict. ``replay`` holds a copy of the loop for
+used ``n_uses`` times within its layer's last ``window`` steps. Either only decides when
+the miss would evict. ``FREQ`` (TinyLFU-style) counts every key's accesses, halving all
+counts every ``reset`` accesses, and in a step of more than ``narrow`` keys (a batch)
+admits a miss that would evict only if its key's count beats the victim's. ``ORACLE``
+reads the future (replays only, as ``belady`` does): a miss that would evict is admitted
+only if the victim is needed later than the key, and a step's keys are taken soonest
+needed first, so that a full step keeps the keys needed soonest (with ``belady``
+eviction: MIN with bypass, the optimum of a cache that may stage a miss without caching
+it). Both decide once the victim is known, in the step below. ``replay`` holds a copy of the loop for
 ``always`` with the rule a constant (a run-time rule cost an LRU replay 15-25%) and one
 for the others; ``step``, one call per step of a live table, reads the rule at run time.
 """
@@ -46,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-ALWAYS, SECOND_HIT, WINDOW, NEVER = 0, 1, 2, 3
+ALWAYS, SECOND_HIT, WINDOW, NEVER, ORACLE, FREQ = 0, 1, 2, 3, 4, 5
 ACC, HIT, MISS, LOAD, EVICT, BYPASS = range(6)
 # out[0, j]: what happened to the step's key j (PAD: no key in that column).
 PAD, IS_HIT, IS_LOAD, IS_BYPASS = -1, 0, 1, 2
@@ -71,25 +78,118 @@ def scratch(L: int, nkeys: int, parts: int, width: int) -> tuple:
 
 
 def admission_state(rule: int, nkeys: int, parts: int, ghost: int = 1, n_uses: int = 1,
-                    window: int = 1) -> tuple:
-    """``adm``: the rule code, its parameters and its arrays (sized 1 when unused)."""
+                    window: int = 1, future: tuple | None = None, width: int = 1,
+                    reset: int = 1, narrow: int = 0) -> tuple:
+    """``adm``: the rule code, its parameters and its arrays (sized 1 when unused).
+    ``future`` is ``(starts, uses)`` (``Future.arrays``) for ``ORACLE``, ``width`` the widest
+    step it will see; ``FREQ`` counts halve every ``reset`` accesses and steps of at most
+    ``narrow`` keys skip its comparison."""
     ghosts = nkeys if rule == SECOND_HIT else 1
     ring = nkeys if rule == WINDOW else 1
+    if future is None:
+        future = (np.zeros(2, np.int64), np.zeros(1, np.int64))
+    starts, uses = future
+    wide = max(width, 1) if rule == ORACLE else 1
     return (np.int64(rule), np.int64(ghost), np.int64(n_uses), np.int64(window),
             # second-hit: a ghost LRU list per partition, oldest first
             np.full(ghosts, -1, np.int32), np.full(ghosts, -1, np.int32),
             np.full(parts, -1, np.int32), np.full(parts, -1, np.int32),
             np.zeros(parts, np.int64), np.zeros(ghosts, np.bool_),
             # window: the last n_uses use times (the layer's step count) per key, as a ring
-            np.full((ring, max(n_uses, 1)), -(1 << 40), np.int64), np.zeros(ring, np.int64))
+            np.full((ring, max(n_uses, 1)), -(1 << 40), np.int64), np.zeros(ring, np.int64),
+            # oracle: every key's use steps (CSR), a cursor per key, the step's visit order
+            # and its keys' next uses
+            starts, uses, starts[:-1].copy(), np.zeros(wide, np.int32), np.zeros(wide, np.int64),
+            # freq: every key's access count, halved each ``reset`` accesses; accesses since
+            np.zeros(nkeys if rule == FREQ else 1, np.int64), np.zeros(1, np.int64),
+            np.int64(max(reset, 1)), np.int64(narrow))
+
+
+FAR = 1 << 62  # next use of a key never used again (policies.belady.NEVER)
+
+
+@njit(inline="always")
+def next_use(key, s, adm):
+    """The first step after ``s`` that uses ``key`` (FAR if none); steps only move forward,
+    so each key's cursor does too."""
+    starts, uses, cursor = adm[12], adm[13], adm[14]
+    if key + 1 >= starts.shape[0]:
+        return FAR
+    i, end = cursor[key], starts[key + 1]
+    while i < end and uses[i] <= s:
+        i += 1
+    cursor[key] = i
+    return uses[i] if i < end else FAR
+
+
+@njit(inline="always")
+def later(a, b, s, adm):
+    """Whether ``a`` is needed later than ``b`` after step ``s``: the first use that differs
+    decides (a step needs many keys at once, so next uses tie often, and then the use after
+    decides which is worth its slot). Both cursors are current (``next_use`` was asked)."""
+    starts, uses, cursor = adm[12], adm[13], adm[14]
+    if a + 1 >= starts.shape[0]:
+        return b + 1 < starts.shape[0] and cursor[b] < starts[b + 1]
+    if b + 1 >= starts.shape[0]:
+        return False
+    i, j, ea, eb = cursor[a], cursor[b], starts[a + 1], starts[b + 1]
+    while i < ea and j < eb:
+        if uses[i] != uses[j]:
+            return uses[i] > uses[j]
+        i += 1
+        j += 1
+    return i == ea and j < eb
+
+
+@njit(inline="always")
+def _count(key, adm):
+    """``FREQ``: one more access of ``key``; every ``reset`` accesses all counts halve (the
+    TinyLFU reset: old popularity fades)."""
+    counts, total, reset = adm[17], adm[18], adm[19]
+    counts[key] += 1
+    total[0] += 1
+    if total[0] >= reset:
+        total[0] = 0
+        for k in range(counts.shape[0]):
+            counts[k] >>= 1
+
+
+@njit(inline="always")
+def _evicts(victim, key, key_next, s, adm):
+    """``ORACLE``: whether ``key`` is worth ``victim``'s slot (the victim is needed later)."""
+    v = next_use(victim, s, adm)
+    return v > key_next or (v == key_next and later(victim, key, s, adm))
+
+
+@njit(inline="always")
+def oracle_order(row, s, adm):
+    """``ORACLE``: the step's columns by future use, soonest first (insertion sort: a step
+    holds a few hundred keys at most), into ``adm``'s order; their next uses alongside."""
+    order, nu = adm[15], adm[16]
+    n = 0
+    for j in range(row.shape[0]):
+        if row[j] < 0:
+            continue
+        v = next_use(row[j], s, adm)
+        i = n
+        while i > 0 and (nu[i - 1] > v or (nu[i - 1] == v and
+                                           later(row[order[i - 1]], row[j], s, adm))):
+            nu[i], order[i] = nu[i - 1], order[i - 1]
+            i -= 1
+        nu[i], order[i] = v, j
+        n += 1
+    return n
 
 
 @njit(inline="always")
 def admission(key, p, token, adm, rule):
     """Record one access; NO, FREE_ONLY or YES should it miss (``AdmissionPolicy``). ``rule``
     is ``adm[0]``, passed apart so that a caller can make it a constant."""
-    _, ghost, n_uses, window_steps, gprev, gnext, ghead, gtail, gsize, in_ghost, uses, nuse = adm
-    if rule == ALWAYS:
+    _, ghost, n_uses, window_steps, gprev, gnext, ghead, gtail, gsize, in_ghost, uses, nuse = adm[:12]
+    if rule == ALWAYS or rule == ORACLE:  # the oracle decides once it knows the victim
+        return YES
+    if rule == FREQ:                      # so does freq; here it counts
+        _count(key, adm)
         return YES
     if rule == NEVER:
         return NO
@@ -151,11 +251,22 @@ def _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
         if row[j] >= 0:
             stamp[row[j]] = s
     acc = hit = evict = bypass = 0
-    for j in range(K):
-        key = row[j]
-        if live:
+    weigh = False
+    if rule == FREQ:  # one token's keys (a single stream) are admitted: recency rules there
+        n = 0
+        for j in range(K):
+            n += row[j] >= 0
+        weigh = n > adm[20]
+    if live:
+        for j in range(K):
             out[1, j] = -1
             out[0, j] = PAD
+    n = K
+    if rule == ORACLE:
+        n = oracle_order(row, s, adm)
+    for jj in range(n):
+        j = adm[15][jj] if rule == ORACLE else jj
+        key = row[j]
         if key < 0:
             continue
         acc += 1
@@ -179,6 +290,12 @@ def _step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
             victim = find_victim(p, s, stamp, st)
             if victim < 0 or ok != YES:  # all protected, or admission said no
                 bypass += 1
+                continue
+            if rule == ORACLE and not _evicts(victim, key, adm[16][jj], s, adm):
+                bypass += 1      # the victim is needed no later than the key: keep it
+                continue
+            if rule == FREQ and weigh and adm[17][key] <= adm[17][victim]:
+                bypass += 1      # the victim was used as often: a sweep must not flush it
                 continue
             on_evict(victim, p, st)
             resident[victim] = False
