@@ -5,7 +5,9 @@ top-4, float32) with a word-level tokenizer, saved to a temporary folder. Rows:
 
 * ``vllm``: vLLM's CPU build, no plug-in;
 * ``vllm+expertcache N%``: the plug-in with N% of all L x E experts in slots (100%: all
-  resident, the plug-in's overhead alone), default policy;
+  resident, the plug-in's overhead alone), default policy, host planner (each layer step
+  planned on the host); ``... device``: the same with ``planner: device`` (the layer step
+  on the device, the policy one engine step behind), side by side;
 * ``expertcache generate`` / ``expertcache serve``: the transformers runtime at 50% slots.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, eager: compiling each
@@ -17,7 +19,8 @@ process and each plug-in engine runs beside it round by round (order alternating
 to vLLM is the median of the per-round ratios. Hit rates are the plug-in's counters over the
 timed runs.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py [--tokens 64] [--repeats 6]
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--tokens 64] [--repeats 6] [--planners host,device]
+        [--skip-runtime] [--compiled]
 
 Writes benchmarks/results/vllm_cpu.json.
 """
@@ -55,19 +58,20 @@ PIECEWISE = {"cudagraph_mode": "PIECEWISE",  # CUDA graphs with the MoE op outsi
 
 
 def engine(path: str, fraction: float | None, device: str, piecewise: bool = False,
-           policy: str | None = None):
+           policy: str | None = None, planner: str = "host", compiled: bool = False):
     """One in-process vLLM engine; ``fraction`` of the experts in slots, None: no plug-in;
-    ``policy`` the plug-in's eviction policy (its default when None)."""
+    ``policy`` the plug-in's eviction policy (its default when None), ``planner`` host or device."""
     from vllm import LLM
 
-    extra = {} if fraction is None else {"expertcache": {"slots": round(fraction * LAYERS * EXPERTS)}}
+    extra = {} if fraction is None else {"expertcache": {"slots": round(fraction * LAYERS * EXPERTS),
+                                                         "planner": planner}}
     if policy is not None and fraction is not None:
         extra["expertcache"]["eviction"] = policy
     kwargs = dict(gpu_memory_utilization=0.3) if device == "cuda" else \
         dict(gpu_memory_utilization=0.2, kv_cache_memory_bytes=1 << 28, distributed_executor_backend="uni")
     if piecewise:
         kwargs["compilation_config"] = PIECEWISE
-    return LLM(model=path, dtype="float32", enforce_eager=not piecewise, max_model_len=512, max_num_seqs=4,
+    return LLM(model=path, dtype="float32", enforce_eager=not (piecewise or compiled), max_model_len=512, max_num_seqs=4,
                seed=0, additional_config=extra, **kwargs)
 
 
@@ -144,6 +148,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6, help="rounds per configuration and level")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: the vLLM rows only, on a CUDA build of vLLM (benchmarks/gpu_check.sh)")
+    ap.add_argument("--planners", default="host,device", help="comma-separated: host, device")
+    ap.add_argument("--compiled", action="store_true",
+                    help="every vLLM engine compiled (vLLM's default; slower to start) instead of eager")
     ap.add_argument("--json", default=str(RESULTS))
     ap.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS),
                     help="shares of the experts in slots, one plug-in row each")
@@ -164,15 +171,17 @@ def main() -> None:
         save_model(path)
         # plain vLLM stays alive; each plug-in configuration runs beside it, round by round
         # (one plug-in session per process at a time, so configurations follow each other)
-        ref = engine(str(path), None, args.device)
+        ref = engine(str(path), None, args.device, compiled=args.compiled)
         rows = {}
+        planners = args.planners.split(",")
         named = len(args.policies) > 1 or args.policies != ["default"]
-        configs = [(f"vllm+expertcache {f:.0%}" + (f" {p}" if named else ""), f, False, p)
-                   for f in args.fractions for p in args.policies]
-        if args.device == "cuda":  # the graph mode that keeps the plan per step
-            configs.append(("vllm+expertcache 50% piecewise", 0.5, True, "default"))
-        for name, fraction, piecewise, policy in configs:
-            llm = engine(str(path), fraction, args.device, piecewise, policy)
+        configs = [(f"vllm+expertcache {f:.0%}" + (f" {p}" if named else "") + ("" if pl == "host" else f" {pl}"),
+                    f, False, p, pl)
+                   for f in args.fractions for p in args.policies for pl in planners]
+        if args.device == "cuda" and "host" in planners:  # the graph mode that keeps the plan per step
+            configs.append(("vllm+expertcache 50% piecewise", 0.5, True, "default", "host"))
+        for name, fraction, piecewise, policy, planner in configs:
+            llm = engine(str(path), fraction, args.device, piecewise, policy, planner, args.compiled)
             rows[name] = {"levels": paired(ref, llm, args.tokens, args.repeats)}
             del llm
             gc.collect()
@@ -191,7 +200,9 @@ def main() -> None:
            "command": "benchmarks/bench_vllm.py " + " ".join(sys.argv[1:]),
            "settings": {"tokens": args.tokens, "repeats": args.repeats, "prompt_tokens": 16, "levels": LEVELS,
                         "model": "Qwen3-MoE hidden 256, 4 MoE layers, 32 experts, top-4, float32 (random)",
-                        "vllm_mode": "in-process engines, eager; each plug-in engine paired round by round with one plain engine"},
+                        "planners": args.planners,
+                        "vllm_mode": f"in-process engines, {'compiled' if args.compiled else 'eager'}; each plug-in "
+                                     "engine paired round by round with one plain engine"},
            "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=1))
@@ -205,18 +216,18 @@ def vllm_row(rows: dict, n: int) -> dict:
 
 
 def print_table(rows: dict) -> None:
-    print(f"{'row':28} {'tok/s @1':>9} {'@4':>9} {'x vllm @1':>10} {'@4':>6} {'hit rate @1':>12} {'@4':>6}")
+    print(f"{'row':34} {'tok/s @1':>9} {'@4':>9} {'x vllm @1':>10} {'@4':>6} {'hit rate @1':>12} {'@4':>6}")
     for name, row in rows.items():
         if "levels" in row:
             lv = row["levels"]
             hit = [lv[n].get("hit_rate") for n in LEVELS]
-            print(f"{name:28} {lv[1]['tok_s_median']:9.1f} {lv[4]['tok_s_median']:9.1f} "
+            print(f"{name:34} {lv[1]['tok_s_median']:9.1f} {lv[4]['tok_s_median']:9.1f} "
                   f"{lv[1]['over_vllm']:10.2f} {lv[4]['over_vllm']:6.2f} "
                   + " ".join("" if h is None else f"{h:.3f}".rjust(w) for h, w in zip(hit, (12, 6))))
         elif name.startswith("expertcache serve"):
-            print(f"{name:28} {row[1]['tokens_per_s']:9.1f} {row[4]['tokens_per_s']:9.1f}")
+            print(f"{name:34} {row[1]['tokens_per_s']:9.1f} {row[4]['tokens_per_s']:9.1f}")
         else:
-            print(f"{name:28} {json.dumps(row)[:90]}")
+            print(f"{name:34} {json.dumps(row)[:90]}")
 
 
 if __name__ == "__main__":

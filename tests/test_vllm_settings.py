@@ -55,3 +55,15 @@ def test_bad_values_are_one_line_naming_the_key(block, words):
 def test_block_must_be_an_object():
     with pytest.raises(ValueError, match="must be a JSON object"):
         from_additional_config({"expertcache": "slots=8"})
+
+
+def test_planner_key():
+    assert settings(slots=8).planner == "host"
+    assert settings(slots=8, planner="device").planner == "device"
+    assert (settings(slots=8, planner="device", lag=2).cache.lag, settings(slots=8).cache.lag) == (2, 1)
+    for block, words in (({"slots": 8, "planner": "gpu"}, "expertcache: unknown planner 'gpu'"),
+                         ({"slots": 8, "planner": "device", "lag": 0}, "lag must be a whole number"),
+                         ({"slots": 8, "planner": "device", "record_trace": "t.npz"}, "record_trace needs planner")):
+        with pytest.raises(ValueError) as err:
+            settings(**block)
+        assert words in str(err.value) and "\n" not in str(err.value)

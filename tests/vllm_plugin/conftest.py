@@ -44,6 +44,30 @@ def build_tiny_qwen3_moe(path: str) -> str:
     return path
 
 
+def build_tiny_qwen2_moe(path: str) -> str:
+    """Qwen2-MoE: routed experts plus a shared expert scaled by its own sigmoid gate
+    (vLLM's runner runs the shared expert beside the routed ones and adds the outputs)."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.Qwen2MoeConfig(hidden_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+                            num_experts_per_tok=TOP_K, num_experts=EXPERTS, intermediate_size=96,
+                            moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                            decoder_sparse_step=1, norm_topk_prob=False, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
+    torch.manual_seed(1)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 2.0)
+            elif ".experts." in name or name.endswith(("gate_up_proj", "down_proj")) or "shared_expert" in name:
+                p.normal_(0, 0.2)  # the shared expert and its gate matter too
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return build_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny-qwen3-moe")))
@@ -77,6 +101,31 @@ def generate(model: str, config: dict | None = None, eager: bool = True, prompts
                     for o in outs]
         session = sessions._current if config is not None else None
         return tokens, logprobs, session
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def generate_sets(model: str, config: dict | None, prompt_sets, eager: bool = True):
+    """``generate`` for several batches on one engine (one start): [(tokens, logprobs)], session."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.inputs import TokensPrompt
+
+    from expertcache.vllm import session as sessions
+
+    llm = LLM(**llm_kwargs(model, eager, config))
+    try:
+        results = []
+        for prompts in prompt_sets:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+                                               detokenize=False), use_tqdm=False)
+            results.append(([list(o.outputs[0].token_ids) for o in outs],
+                             [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                              for o in outs]))
+        return results, (sessions._current if config is not None else None)
     finally:
         del llm
         gc.collect()

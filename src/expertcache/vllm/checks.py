@@ -12,6 +12,9 @@ with the MoE op outside them run the plan each step.
 from __future__ import annotations
 
 MOE_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
+# unquantized backends whose weight processing runs on host tensors and whose kernel takes
+# any expert count (TRITON sizes moe_align_block_size by it; CPU indexes rows directly)
+HOST_SAFE_BACKENDS = ("TRITON", "CPU")
 
 
 def check_layer(layer) -> None:
@@ -32,6 +35,16 @@ def check_layer(layer) -> None:
     if moe.has_bias:
         raise ValueError(f"expertcache: {layer.layer_name}: experts with biases are not pooled yet; "
                          "the plug-in caches bias-free experts (Qwen3-MoE, Mixtral, DeepSeek, OLMoE)")
+    if getattr(layer.expert_map_manager, "num_fused_shared_experts", 0):
+        raise ValueError(f"expertcache: {layer.layer_name}: vLLM fused the shared experts into the routed "
+                         "experts (ROCm AITER); the plug-in pools routed experts only: run without "
+                         "shared-expert fusion")
+    backend_name = getattr(qm.unquantized_backend, "name", str(qm.unquantized_backend))
+    if backend_name not in HOST_SAFE_BACKENDS:
+        raise ValueError(f"expertcache: {layer.layer_name}: unquantized MoE backend {backend_name}: the "
+                         "plug-in repacks experts on the host and calls the kernel with the pool's row "
+                         f"count, read and tested for {', '.join(HOST_SAFE_BACKENDS)} only; on CUDA pass "
+                         "--moe-backend triton")
     par = moe.moe_parallel_config
     if par.use_ep or par.dp_size > 1:
         raise ValueError("expertcache: expert or data parallelism splits the experts over ranks; "
@@ -39,9 +52,13 @@ def check_layer(layer) -> None:
                          "--enable-expert-parallel / --data-parallel-size")
 
 
-def check_graphs(vllm_config, device_type: str) -> None:
-    """On CUDA: refuse graph modes that would freeze one step's plan."""
-    if device_type != "cuda":
+def check_graphs(vllm_config, device_type: str, planner: str = "host") -> None:
+    """On CUDA with the host planner: refuse graph modes that would freeze one step's plan.
+
+    The device planner's step is fixed-shape device work (vllm/device.py): every graph mode
+    replays it correctly, FULL_DECODE_ONLY and FULL_AND_PIECEWISE included.
+    """
+    if device_type != "cuda" or planner == "device":
         return
     comp = vllm_config.compilation_config
     mode = comp.cudagraph_mode
@@ -50,7 +67,7 @@ def check_graphs(vllm_config, device_type: str) -> None:
     split = set(comp.splitting_ops or ())
     if mode.has_full_cudagraphs() or not split.issuperset(MOE_OPS):
         raise ValueError(f"expertcache: cudagraph_mode {mode.name} would replay one step's expert plan; "
-                         "use --enforce-eager, or --compilation-config "
+                         "use planner 'device' (any graph mode), --enforce-eager, or --compilation-config "
                          "'{\"cudagraph_mode\": \"PIECEWISE\", \"splitting_ops\": [\"vllm::unified_attention\", "
                          "\"vllm::unified_attention_with_output\", \"vllm::moe_forward\", "
                          "\"vllm::moe_forward_shared\"]}' (docs/vllm.md)")

@@ -2,7 +2,8 @@
 
 Layers join in construction order (that order is the MoE layer index). The pool is
 made when the first layer's weights are loaded and repacked (its shape is known then);
-the table when the first counted step runs (every layer has joined by then). Warm-up,
+the table when the first counted step runs (every layer has joined by then), or with
+``planner: device`` when the last layer is loaded (device.DevicePlanner). Warm-up,
 profile and compile steps (vLLM builds no attention metadata for them) never reach the
 table: they compute on whatever the slots hold and their output is discarded.
 """
@@ -15,7 +16,7 @@ import torch
 
 from ..cache import SlotTable
 from ..runtime.stats import LiveStats
-from .pool import HostExperts, SlotPool
+from .pool import HostExperts, SlotPool, check_pool_fits
 from .settings import Settings
 
 _current: Session | None = None
@@ -36,6 +37,7 @@ class Session:
     def __init__(self, settings: Settings, vllm_config) -> None:
         self.settings, self.config = settings, settings.cache
         self.vllm_config = vllm_config
+        self.device = torch.device(vllm_config.device_config.device)  # where the pool lives
         self.layers: list[torch.nn.Module] = []
         self.hosts: list[HostExperts | None] = []
         self.top_k = self.num_experts = None
@@ -49,6 +51,7 @@ class Session:
         self.warmup_steps = 0     # forward passes kept out of the statistics
         self.recorder = None
         self.telemetry = None
+        self.planner = None       # planner 'device': device.DevicePlanner, made when the last layer loaded
         self._closed = False
         atexit.register(self.close)
 
@@ -61,7 +64,12 @@ class Session:
         return len(self.layers) - 1
 
     def take_weights(self, index: int, layer) -> None:
-        """After vLLM repacked ``layer``'s experts: keep them on the host, give the layer the pool."""
+        """After vLLM repacked ``layer``'s experts (on the host): keep them there, give the layer the pool."""
+        if layer.quant_method.mk_can_overlap_shared_experts:
+            # the kernel would run the shared experts inside it, and step.py calls it without them
+            raise ValueError(f"expertcache: {layer.layer_name}: vLLM chose a prepare/finalize that runs "
+                             "the shared experts inside the experts kernel (expert or data parallelism); "
+                             "the plug-in supports neither")
         host = HostExperts.take(layer)
         if self.pool is None:
             self.pool = self._make_pool(host, layer)
@@ -72,11 +80,21 @@ class Session:
         for kind, param in self.pool.params.items():
             delattr(layer, kind)
             layer.register_parameter(kind, param)  # the same Parameter in every layer
+        if self.settings.planner == "device" and all(h is not None for h in self.hosts):
+            self.start()  # the device step's buffers must exist before vLLM compiles and warms up
 
     def _make_pool(self, host: HostExperts, layer) -> SlotPool:
         L, E, k = len(self.layers), self.num_experts, self.top_k
         run = self.config
         staging = run.staging or k
+        if self.settings.planner == "device":
+            from .device import staging_rows
+            need = staging_rows(E, k, self.vllm_config.scheduler_config.max_num_batched_tokens)
+            if run.staging is not None and run.staging < need:
+                raise ValueError(f"expertcache: staging={run.staging}: planner 'device' stages every miss of a "
+                                 f"step, up to min(E, max_num_batched_tokens x top-k) = {need} experts; "
+                                 "drop the 'staging' key or lower --max-num-batched-tokens")
+            staging = need
         if run.gpu_memory is not None:
             slots = run.gpu_memory_bytes // host.expert_bytes - staging
             if slots < k:
@@ -88,10 +106,13 @@ class Session:
         slots = min(slots, L * E)  # more slots than experts would only waste memory
         if run.partition == "per-layer":
             slots = min(slots // L, E) * L
-        return SlotPool(host.layout(), slots, staging, layer.w13_weight.device)
+        check_pool_fits((slots + staging) * host.expert_bytes, self.device)
+        return SlotPool(host.layout(), slots, staging, self.device)
 
     def start(self) -> None:
-        """The first counted step: every layer has joined and been loaded."""
+        """Every layer has joined and been loaded: at the first counted step (host planner), or
+        when the last layer's weights are taken (device planner: its buffers must exist before
+        vLLM compiles and warms the model up)."""
         L, E = len(self.layers), self.num_experts
         run = self.config
         self.table = SlotTable(L, E, self.pool.slots, eviction=run.eviction, admission=run.admission,
@@ -101,6 +122,11 @@ class Session:
         self.slot_map = SlotMap(L, E, self.pool.device)
         if run.imatrix is not None:
             self._place_imatrix()
+        if self.settings.planner == "device":
+            from .device import DevicePlanner, attach
+            self.planner = DevicePlanner(self, self.vllm_config.scheduler_config.max_num_batched_tokens)
+            for index, layer in enumerate(self.layers):
+                attach(layer, self, index)
         from .telemetry import Telemetry
         self.telemetry = Telemetry(self)
         if self.settings.record_trace:
@@ -129,7 +155,12 @@ class Session:
     def stats(self) -> LiveStats | None:
         if self.table is None:
             return None
-        return LiveStats(self.table.stats(), self.h2d, {
+        if self.planner is not None:  # live counts: the map the device used, one step behind the table
+            self.planner.flush()
+            counts, h2d = self.planner.stats(), self.planner.h2d
+        else:
+            counts, h2d = self.table.stats(), self.h2d
+        return LiveStats(counts, h2d, {
             "slot_format": "plain", "bytes_per_slot": self.hosts[0].expert_bytes,
             "bytes_per_load": self.hosts[0].expert_bytes, "host_memory": "pinned" if self.pool.cuda
             else "copy", "host_memory_reason": "vLLM's repacked expert tensors"})
@@ -141,6 +172,7 @@ class Session:
                 "staging": None if pool is None else pool.staging,
                 "slot_bytes": None if pool is None else pool.slot_bytes,
                 "steps": self.steps, "warmup_steps": self.warmup_steps,
+                "planner": self.settings.planner, "lag": None if self.planner is None else self.planner.lag,
                 "host_us_per_layer_step": 1e6 * self.host_s / max(self.steps * len(self.layers), 1),
                 "config": self.config.to_dict()}
 
@@ -148,6 +180,11 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self.planner is not None:
+            from .device import ACTIVE
+            if ACTIVE[0] is self:
+                self.planner.flush()
+                ACTIVE[0] = None
         if self.telemetry is not None:
             self.telemetry.write()
         if self.recorder is not None:

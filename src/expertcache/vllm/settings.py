@@ -2,7 +2,9 @@
 
 Keys are ``offload()``'s names: ``slots`` or ``gpu_memory``, ``eviction`` (CLI syntax,
 ``"slru:protected=0.5"``, or a whole spec ``"lru+second-hit"``), ``admission``,
-``partition``, ``staging``, ``imatrix``, ``imatrix_mode``; plus the plug-in's own
+``partition``, ``staging``, ``imatrix``, ``imatrix_mode``, ``planner`` (``"host"``: plan
+each layer step on the host; ``"device"``: the step runs on the device and the policy
+``lag`` engine steps behind, docs/vllm.md) and ``lag``; plus the plug-in's own
 ``stats_path``, ``stats_every`` and ``record_trace``. Everything goes through
 ``CacheConfig`` (the same checks as ``offload()`` and the CLI) before vLLM loads a
 weight; a bad value is one line that names the key.
@@ -18,7 +20,7 @@ from ..policies.registry import parse_policy
 
 KEY = "expertcache"
 CACHE_KEYS = ("slots", "gpu_memory", "eviction", "admission", "partition", "staging", "imatrix",
-              "imatrix_mode")
+              "imatrix_mode", "planner", "lag")
 OWN_KEYS = ("stats_path", "stats_every", "record_trace")
 DEFAULT_STATS_EVERY = 256  # engine steps between two stats.json writes
 
@@ -29,6 +31,10 @@ class Settings:
     stats_path: str | None = None
     stats_every: int = DEFAULT_STATS_EVERY
     record_trace: str | None = None
+
+    @property
+    def planner(self) -> str:
+        return self.cache.planner
 
 
 def from_additional_config(additional: object) -> Settings | None:
@@ -47,6 +53,9 @@ def parse(block: dict) -> Settings:
     if unknown:
         raise ValueError(f"expertcache: unknown key(s) {', '.join(map(repr, unknown))}; "
                          f"use {', '.join(CACHE_KEYS + OWN_KEYS)}")
+    if block.get("planner") == "device" and block.get("record_trace") is not None:
+        raise ValueError("expertcache: record_trace needs planner 'host' (the device planner records "
+                         "routing for its policy, not as a trace yet)")
     return Settings(_cache_config(block), _out_path(block, "stats_path"), _stats_every(block),
                     _out_path(block, "record_trace"))
 
@@ -62,7 +71,7 @@ def _cache_config(block: dict) -> CacheConfig:
                          "drop the 'admission' key or the '+ADMISSION' part")
     spec = eviction if admission is None else f"{eviction}+{admission}"
     kwargs = {k: block[k] for k in ("slots", "gpu_memory", "partition", "staging", "imatrix",
-                                    "imatrix_mode") if k in block}
+                                    "imatrix_mode", "planner", "lag") if k in block}
     try:
         policy = parse_policy(spec)
         return CacheConfig(eviction=policy.eviction, admission=policy.admission, **kwargs)
