@@ -432,7 +432,8 @@ def _triton_gather(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> 
             i = tl.program_id(0)
             offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             r = tl.load(rows_ptr + i)
-            mask = (offs < row_elems) & (r < num_rows)
+            # the row test as a block (offs * 0 + r): Triton's interpreter refuses block & scalar
+            mask = (offs < row_elems) & ((offs * 0 + r) < num_rows)
             vals = tl.load(src_ptr + r.to(tl.int64) * row_elems + offs, mask=mask)
             tl.store(out_ptr + i.to(tl.int64) * row_elems + offs, vals, mask=mask)
 
