@@ -129,14 +129,8 @@ def _latest_tie(victim, prio, hkey, where, stamp, s, base, n, todo, starts, uses
 @hook
 def _later(a, b, s, starts, uses, cursor):
     """Whether ``a``'s uses after step ``s`` come later than ``b``'s (first difference)."""
-    i, j, ea, eb = _cursor(a, s, starts, uses, cursor), _cursor(b, s, starts, uses, cursor), \
-        starts[a + 1], starts[b + 1]
-    while i < ea and j < eb:
-        if uses[i] != uses[j]:
-            return uses[i] > uses[j]
-        i += 1
-        j += 1
-    return i == ea and j < eb
+    return skeleton.uses_later(uses, _cursor(a, s, starts, uses, cursor), _cursor(b, s, starts, uses, cursor),
+                               starts[a + 1], starts[b + 1])
 
 
 @hook

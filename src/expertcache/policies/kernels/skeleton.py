@@ -132,7 +132,13 @@ def later(a, b, s, adm):
         return b + 1 < starts.shape[0] and cursor[b] < starts[b + 1]
     if b + 1 >= starts.shape[0]:
         return False
-    i, j, ea, eb = cursor[a], cursor[b], starts[a + 1], starts[b + 1]
+    return uses_later(uses, cursor[a], cursor[b], starts[a + 1], starts[b + 1])
+
+
+@njit(inline="always")
+def uses_later(uses, i, j, ea, eb):
+    """Whether the uses ``uses[i:ea]`` of one key come later than ``uses[j:eb]`` of another:
+    the first that differ decide; a key with no use left is the later one."""
     while i < ea and j < eb:
         if uses[i] != uses[j]:
             return uses[i] > uses[j]
