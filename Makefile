@@ -55,9 +55,10 @@ test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/vllm_plugin
 
 # What benchmarks/gpu_check.sh needs on the GPU machine that its image lacks: wheels for
-# Python 3.12 x86-64 (gguf: pure Python, its own needs are on the image) and a real routing
+# Python 3.12 x86-64 (gguf: pure Python, its own needs are on the image; libggml-python: ggml's
+# prebuilt CPU libraries, so the `cpu` rows compute with ggml there as they do here) and a real routing
 # trace (../shared does not travel). Both folders are ignored by git; carry them with the run.
-GPU_WHEELS ?= gguf==0.19.0
+GPU_WHEELS ?= gguf==0.19.0 libggml-python==0.20.2
 gpu-wheels: $(VENV)/.installed
 	mkdir -p .whl
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

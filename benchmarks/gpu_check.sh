@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
-# The GPU check: one command that fits a 15-minute GPU lease (under 8 minutes of run).
+# The GPU check: one command that fits a 15-minute GPU lease (its steps' limits sum to 395 s).
 #
 # On the GPU machine (an H200 image: python3 3.12, torch 2.11 + CUDA 13, transformers 5.17,
-# numba, no gguf), from the repository root. Prepare here, once:
-#     make gpu-wheels gpu-trace        # .whl/: gguf (the image lacks it); .gpu-trace/: a real trace
+# accelerate, numba, triton, pytest-xdist, pytest-timeout; no gguf, no libggml-python). Prepare here, once:
+#     make gpu-wheels gpu-trace        # .whl/: gguf and libggml-python; .gpu-trace/: a real trace
 #     bash benchmarks/gpu_check.sh --rehearse    # the same steps on this CPU, toy sizes, < 3 min
 # then start it there with the device tool:
-#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".gpu-trace"], timeout_s=540)
+#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".gpu-trace"], timeout_s=480)
 # and give the machine back. What comes back: $OUT/gpu_check.log (everything printed),
-# $OUT/gpu_check.json (every figure), $OUT/gpu_check.png, $OUT/bench_quantized.png; commit
-# them under benchmarks/results/gpu_check-<date>/.
+# $OUT/gpu_check.json (every figure), $OUT/gpu_check_real.png, $OUT/gpu_check_full.png,
+# $OUT/bench_quantized.png; commit them under benchmarks/results/gpu_check-<date>/.
+# `--steps a,b` runs only those steps (e.g. a second call for the figures a lease has time for).
 #
-# Steps, most valuable first, each under its own timeout (they sum to 400 s; the printed
-# output streams as it comes, and every step saves what it measured before its limit):
-#   tests    100 s  the CUDA tests (pytest -m gpu)
-#   real     180 s  exactness and steady decode at Qwen3-30B-A3B's expert size (12 bf16 layers,
-#                   routed by the carried trace): plain transformers, resident, cache 25% / 50%
-#                   with fetch, cpu and auto, copy-every-pass, cpu (--cpu-moe), planner device
-#                   vs host when the checkout has it; H2D bytes, syncs and host us per MoE step
-#   quant     70 s  Q4_K quantized slots against bf16 slots on one memory budget (bench_quantized.py)
-#   dequant   30 s  what dequantizing Q4_K slots per use costs next to the step's matmuls
-#   summary   20 s  one table, gpu_check.json, gpu_check.png
+# Steps, most valuable first, each under its own timeout; output streams as it comes and every
+# step saves what it measured row by row; a row or test that fails is printed and the rest run:
+#   bandwidth  15 s  device copy and pinned H2D bandwidth: every decode row's bound comes from them
+#   tests      60 s  the quick CUDA tests (pytest -m "gpu and not slow", 8 workers, 50 s a test)
+#   real      140 s  12 bf16 layers at Qwen3-30B-A3B's expert size, routed by the carried trace:
+#                    plain transformers, resident, 25% / 50% / 100% slots with both planners,
+#                    copy-every-pass, cpu, the accelerate-offload peer, batched rows (4 and 16
+#                    sequences); tok/s, bound and fraction, exactness, H2D bytes, syncs, host time
+#   full      100 s  48 layers x 128 experts (Qwen3-30B-A3B's real size, ~58 GB of bf16 experts
+#                    pinned on the host): resident, 50% / 25% with both planners, copy-every-pass
+#   quant      40 s  Q4_K quantized slots against bf16 slots on one memory budget (bench_quantized.py)
+#   dequant    15 s  what dequantizing Q4_K slots per use costs next to the step's matmuls
+#   diag       15 s  GPT-OSS MXFP4 logits: CPU and CUDA references and ours, every pair's difference
+#   summary    10 s  one table, gpu_check.json, the plots
+#   tests-slow 90 s  only with --steps: the GPU tests marked slow (the whole bench on CUDA)
 # Numba compiles once per run into the work folder (NUMBA_CACHE_DIR), shared by the steps.
 #
 # Output: $OUT when set (the device tool's folder that comes back: at most 8 files), else
@@ -28,7 +34,15 @@
 set -u
 cd "$(dirname "$0")/.."
 REHEARSE=
-[ "${1:-}" = "--rehearse" ] && REHEARSE=--rehearse
+STEPS=bandwidth,tests,real,full,quant,dequant,diag
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rehearse) REHEARSE=--rehearse ;;
+    --steps) STEPS=$2; shift ;;
+    *) echo "gpu_check: unknown argument $1 (use --rehearse, --steps a,b)"; exit 2 ;;
+  esac
+  shift
+done
 PY=${PYTHON:-python3}
 if [ -n "$REHEARSE" ] && [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
 if [ -n "${OUT:-}" ]; then RES=$OUT
@@ -41,22 +55,23 @@ TEE=$!
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=$WORK/numba MPLBACKEND=Agg
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 
-echo "gpu_check ${REHEARSE:-on the device} $(date -u +%FT%TZ), python: $PY, results: $RES"
+echo "gpu_check ${REHEARSE:-on the device} $(date -u +%FT%TZ), python: $PY, steps: $STEPS, results: $RES"
 if compgen -G ".whl/*.whl" > /dev/null; then  # the packages the image lacks, carried as wheels
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:$WORK/site || echo "gpu_check: installing .whl/ failed"
 fi
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi")
 "$PY" - "$WORK/env.json" <<'PYEOF'
-import importlib, json, sys
+import json, sys
+from importlib import metadata
 import torch
 env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-for name in ("transformers", "numba", "gguf", "triton", "accelerate"):
-    try:
-        env[name] = importlib.import_module(name).__version__
-    except ImportError as e:
-        env[name] = f"missing ({e})"
+for name in ("transformers", "accelerate", "numba", "triton", "gguf", "libggml-python"):
+    try:  # the distribution's version: gguf has no __version__
+        env[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        env[name] = "missing"
 print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
 json.dump(env, open(sys.argv[1], "w"))
 PYEOF
@@ -64,9 +79,11 @@ if [ -z "$REHEARSE" ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda
   echo "gpu_check: no CUDA device visible to torch ($PY); on a CPU use --rehearse"; exit 2
 fi
 
+wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
 step() {  # name limit command...: stream its output, record rc and seconds
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
+  wanted "$name" || return 0
   echo; echo "=== $name (limit ${limit} s) $(date -u +%T)"
   timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$WORK/$name.txt"
   rc=${PIPESTATUS[0]}
@@ -74,18 +91,27 @@ step() {  # name limit command...: stream its output, record rc and seconds
   echo "=== $name: rc $rc in $((SECONDS - t0)) s"
 }
 
+# pytest: a collection error in one file must not stop the others; each test has its own limit
+PYTEST=("$PY" -m pytest -q -rfEs -p no:cacheprovider --continue-on-collection-errors)
+"$PY" -c "import xdist" 2>/dev/null && [ -z "$REHEARSE" ] && PYTEST+=(-n 8)
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 50)
 GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py tests/test_dequant_gpu.py tests/test_gguf_gpu.py
-           tests/test_hf_quant_gpu.py)
-step tests 100 "$PY" -m pytest -m gpu "${GPU_TESTS[@]}" -q -rs -p no:cacheprovider
-step real 180 "$PY" benchmarks/gpu_check.py real --work "$WORK" $REHEARSE
-if [ -n "$REHEARSE" ]; then QSIZE=(--hidden 256 --expert-ff 256 --layers 2 --tokens 24 --repeats 1 --device cpu)
-else QSIZE=(--layers 4 --tokens 48 --repeats 1 --device cuda); fi
+           tests/test_hf_quant_gpu.py tests/test_devicestep.py)
+
+step bandwidth 15 "$PY" benchmarks/gpu_check.py bandwidth --work "$WORK" $REHEARSE
+step tests 60 "${PYTEST[@]}" -m "gpu and not slow" "${GPU_TESTS[@]}"
+step real 140 "$PY" benchmarks/gpu_check.py real --work "$WORK" $REHEARSE
+step full 100 "$PY" benchmarks/gpu_check.py full --work "$WORK" $REHEARSE
+if [ -n "$REHEARSE" ]; then QSIZE=(--hidden 256 --expert-ff 256 --layers 2 --tokens 20 --repeats 1 --device cpu)
+else QSIZE=(--layers 2 --tokens 40 --repeats 1 --device cuda); fi
 TRACE=.gpu-trace/qwen3-30b-a3b-code.npz
 [ -f "$TRACE" ] && QSIZE+=(--trace "$TRACE")
-step quant 70 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$WORK/bench_quantized.json" \
+step quant 40 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$WORK/bench_quantized.json" \
   --plot "$RES/bench_quantized.png"
-step dequant 30 "$PY" benchmarks/gpu_check.py dequant --work "$WORK" $REHEARSE
-timeout 20 "$PY" benchmarks/gpu_check.py summary --work "$WORK" --out "$RES"
+step dequant 15 "$PY" benchmarks/gpu_check.py dequant --work "$WORK" $REHEARSE
+step diag 15 "$PY" benchmarks/gpu_check.py diag --work "$WORK" $REHEARSE
+step tests-slow 90 "${PYTEST[@]}" -m "gpu and slow" "${GPU_TESTS[@]}"
+timeout 10 "$PY" benchmarks/gpu_check.py summary --work "$WORK" --out "$RES"
 rm -rf "$WORK"
 exec >&- 2>&-
 wait "$TEE"  # the log is whole before the command returns

@@ -1,7 +1,9 @@
 """The equality every quantized-model test asserts: offloaded logits and greedy tokens equal a
-reference's (CPU: within 1e-4 in float32; CUDA: 1e-3 against the CPU reference's sums)."""
+reference's (float32, within 1e-4; on CUDA the reference runs on CUDA too)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -32,8 +34,14 @@ def assert_offload_matches(path, prompt, logits, tokens, **kwargs):
 
 
 def assert_cuda_matches(path, ref, prompt, slot_format: str):
-    """On CUDA (float32): pinned quantized host bytes, logits and tokens of the CPU reference."""
-    logits, tokens = expected(ref, prompt)
+    """On CUDA (float32): pinned quantized host bytes; logits within 1e-4 and greedy tokens equal
+    to the same reference run on CUDA (the uncached model on the same device: cuBLAS and the
+    CPU sum in different orders, and GPT-OSS's logits differed from the CPU reference by more than
+    1e-3 on an H200 in both slot formats; benchmarks/gpu_check.py's ``diag`` step prints how
+    the CPU and CUDA references, and ours, differ)."""
+    ref_cuda = copy.deepcopy(ref).cuda()
+    logits, tokens = (t.cpu() for t in expected(ref_cuda, prompt.cuda()))
+    del ref_cuda
     model = expertcache.offload(path, slots=6, device="cuda", dtype="float32", slot_format=slot_format)
     cache = model.expertcache
     assert cache.host_mode[0] == "pinned"
@@ -41,6 +49,6 @@ def assert_cuda_matches(path, ref, prompt, slot_format: str):
     with torch.no_grad():
         got = model(prompt.cuda()).logits.cpu()
         out = model.generate(prompt.cuda(), max_new_tokens=10, do_sample=False).cpu()
-    assert (got - logits).abs().max().item() <= 1e-3  # TF32 / cuBLAS sums against the CPU's
+    assert (got - logits).abs().max().item() <= 1e-4
     assert torch.equal(out, tokens)
     return model

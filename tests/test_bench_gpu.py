@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,  # 143 s on the H200: gpu_check.sh runs it in its tests-slow step
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="needs a CUDA device: run benchmarks/gpu_check.sh on a GPU machine"),
 ]

@@ -360,3 +360,22 @@ def test_transformers_hf_helpers_we_compare_with():
         "blocks", "scales", "dtype"]
     assert list(inspect.signature(finegrained_fp8._dequantize_fp8_weight).parameters) == [
         "weight", "weight_scale_inv", "block_size", "dtype"]
+
+
+def test_a_type_the_installed_transformers_lacks_is_refused_in_one_line(monkeypatch):
+    """transformers 5.17 (the GPU image's) has no IQ1_S dequantizer: say so, not 'ggml type 19'."""
+    from expertcache.quant import dequant as mod
+
+    def lacking(data, ggml_type, dtype=torch.float32):
+        raise ValueError(f"ggml type {ggml_type} is not supported yet.")
+
+    monkeypatch.setattr(mod._hf_gguf, "dequantize", lacking)
+    mod.transformers_lacks.cache_clear()
+    try:
+        assert mod.transformers_lacks("Q4_K") is None          # ours: never asks transformers
+        why = mod.transformers_lacks("IQ1_S")
+        assert why.startswith("IQ1_S blocks are dequantized by transformers'") and "upgrade transformers" in why
+        with pytest.raises(ValueError, match="upgrade transformers"):
+            mod.dequantize(torch.zeros(50, dtype=torch.uint8), "IQ1_S", (256,))
+    finally:
+        mod.transformers_lacks.cache_clear()

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from quant_fixtures import random_blocks  # noqa: E402
 
-from expertcache.quant.dequant import HOST_COPY_PER_CALL, dequantize  # noqa: E402
+from expertcache.quant.dequant import HOST_COPY_PER_CALL, dequantize, transformers_lacks  # noqa: E402
 from expertcache.quant.formats import SUPPORTED  # noqa: E402
 
 pytestmark = [
@@ -29,6 +29,8 @@ pytestmark = [
 
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_cuda_bits_equal_cpu_and_no_sync(name):
+    if why := transformers_lacks(name):  # the GPU image's transformers 5.17 has no IQ1_S, ...
+        pytest.skip(why)
     shape = (3, 4, 512)  # E, R, C
     blocks = torch.from_numpy(random_blocks(name, 12, 512, np.random.default_rng(1)))
     want = dequantize(blocks, name, shape)

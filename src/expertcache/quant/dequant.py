@@ -15,6 +15,8 @@ the stream (`HOST_COPY_PER_CALL`); Q4_K/Q6_K/MXFP4-class files do not touch that
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from transformers.integrations.gguf import dequant as _hf_gguf
 
@@ -38,8 +40,30 @@ def dequantize(data: torch.Tensor, fmt: str | int | QuantFormat, shape: tuple[in
         return flat.view(_FLOATS[fmt.name]).reshape(shape).to(dtype)
     blocks = flat.reshape(-1, fmt.block_bytes)  # N blocks
     own = kernels.BY_NAME.get(fmt.name)
+    if own is None and (why := transformers_lacks(fmt.name)):
+        raise ValueError(why)
     values = own(blocks) if own else _hf_gguf.dequantize(blocks, fmt.ggml_type, torch.float32)
     return values.reshape(shape).to(dtype)
+
+
+@cache
+def transformers_lacks(name: str) -> str | None:
+    """Why the installed transformers cannot dequantize type ``name`` (the types ``kernels.py``
+    does not cover come from its GGUF dequantizer), or None when it can. Older releases lack
+    some: transformers 5.17 has no IQ1_S ("ggml type 19 is not supported yet"). One zero block
+    on the CPU tells, once per type."""
+    fmt = check_supported(name, "dequantize")
+    if fmt.name in _FLOATS or fmt.name in kernels.BY_NAME:
+        return None
+    try:
+        _hf_gguf.dequantize(torch.zeros(fmt.block_bytes, dtype=torch.uint8), fmt.ggml_type, torch.float32)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        import transformers
+
+        return (f"{fmt.name} blocks are dequantized by transformers' GGUF dequantizer, and transformers "
+                f"{transformers.__version__} has none for it ({e}); upgrade transformers (5.25 has it) or "
+                "use a file whose experts are in another type")
+    return None
 
 
 def _flat_bytes(data: torch.Tensor, fmt: QuantFormat, shape: tuple[int, ...]) -> torch.Tensor:
