@@ -368,6 +368,9 @@ def peer(bench: Bench, budget_bytes: int, rows: list) -> None:
             for name, where in device_map.items():
                 module = model.get_submodule(name) if name else model
                 module.to("cpu" if where == "cpu" else "cuda:0")
+                for p in module.parameters() if where == "cpu" else ():
+                    if p.is_pinned():   # the experts' pinned store: a user's weights are pageable
+                        p.data = p.data.clone()
             model = dispatch_model(model, device_map=device_map, main_device="cuda:0")
             out["layers_offloaded"] = sum(1 for v in device_map.values() if v == "cpu")
         handles = bench.force.attach(model)
