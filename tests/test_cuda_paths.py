@@ -207,6 +207,11 @@ def test_no_grouped_matmul_takes_more_groups_than_the_limit(monkeypatch):
     assert torch.allclose(device, want, atol=1e-5)
 
 
+def test_the_group_limit_is_below_torchs_check():
+    """torch checks ``group_count < 1024``: a window of exactly 1024 rows crashed on the H200."""
+    assert compute.GROUPED_MAX_GROUPS == 1023
+
+
 def test_slot_counts_equal_histc_without_histc():
     """Issue 29, defect 3: pairs per slot by a scatter-add (histc on CUDA ints syncs)."""
     ids = torch.tensor([0, 0, 2, 5, 5, 5, 7])

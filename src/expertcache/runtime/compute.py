@@ -22,9 +22,10 @@ GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, 
 FAST_GROUPED_MM = {9, 10}
 # most weight elements one grouped matmul's view spans (int32 indexing stays safe below it)
 GROUPED_MAX_ELEMENTS = 2 ** 31 - 1
-# most groups (weight rows of the pool) one grouped matmul takes: torch's CUDA kernel raises
-# "Can't process more than 1024 groups" past it (issue 29, defect 1)
-GROUPED_MAX_GROUPS = 1024
+# most groups (weight rows of the pool) one grouped matmul takes: torch's CUDA kernel checks
+# ``group_count < 1024`` ("Can't process more than 1024 groups"; a window of exactly 1024 rows
+# crashed on the H200, 2026-12-04), so 1023 (issue 29, defect 1)
+GROUPED_MAX_GROUPS = 1023
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
