@@ -220,23 +220,61 @@ def diag(args) -> int:
     with tempfile.TemporaryDirectory() as d:
         path = write_gpt_oss_mxfp4(Path(d))
         ref = transformers_reference(path)
-        logits = {}
+        logits, parts = {}, {}
         with torch.no_grad():
             logits["reference on cpu"] = ref(PROMPT).logits
-            logits[f"reference on {dev}"] = copy.deepcopy(ref).to(dev)(PROMPT.to(dev)).logits.cpu()
+            ref_dev = copy.deepcopy(ref).to(dev)
+            with Outputs(ref_dev) as seen:
+                logits[f"reference on {dev}"] = ref_dev(PROMPT.to(dev)).logits.cpu()
+            parts["reference"] = seen.outputs
             for fmt in ("quantized", "dequantized"):
                 model = expertcache.offload(path, slots=6, device=dev, dtype="float32", slot_format=fmt,
                                             cpu_kernel="torch")
-                logits[f"ours on {dev}, {fmt}"] = model(PROMPT.to(dev)).logits.cpu()
+                with Outputs(model) as seen:
+                    logits[f"ours on {dev}, {fmt}"] = model(PROMPT.to(dev)).logits.cpu()
+                parts[fmt] = seen.outputs
+                parts[fmt + " attention"] = model.config._attn_implementation
+        parts["reference attention"] = ref_dev.config._attn_implementation
     names = list(logits)
     out = {"max_abs_logit": logits[names[0]].abs().max().item(), "tf32": tf32,
            "diffs": {f"{a} vs {b}": (logits[a] - logits[b]).abs().max().item()
-                     for i, a in enumerate(names) for b in names[i + 1:]}}
-    say(f"diag: GPT-OSS MXFP4, float32, max |logit| {out['max_abs_logit']:.3f}, tf32 {tf32}")
+                     for i, a in enumerate(names) for b in names[i + 1:]},
+           "attention": {k: v for k, v in parts.items() if k.endswith("attention")},
+           # where ours on the device first parts from the reference on the device: each module's output
+           "modules": {name: (parts["quantized"][name] - ref_out).abs().max().item()
+                       for name, ref_out in parts["reference"].items() if name in parts["quantized"]}}
+    say(f"diag: GPT-OSS MXFP4, float32, max |logit| {out['max_abs_logit']:.3f}, tf32 {tf32}, "
+        f"attention {out['attention']}")
     for pair, d in out["diffs"].items():
         say(f"  {pair:58} {d:.2e}")
+    for name, d in out["modules"].items():
+        say(f"  ours ({dev}, quantized) vs reference ({dev}): {name:40} {d:.2e}")
     save(Path(args.work) / "diag.json", out)
     return 0
+
+
+class Outputs:
+    """Forward hooks recording each decoder layer's attention, router and MLP output (on the host)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.outputs, self.handles = model, {}, []
+
+    def __enter__(self):
+        for i, layer in enumerate(self.model.model.layers):
+            for part in ("self_attn", "mlp", "mlp.router"):
+                module = layer.get_submodule(part)
+                self.handles.append(module.register_forward_hook(self._record(f"layer {i} {part}")))
+        return self
+
+    def _record(self, name: str):
+        def hook(module, args, output):
+            first = output[0] if isinstance(output, tuple) else output
+            self.outputs[name] = first.detach().float().cpu()
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def device_name(dev: torch.device) -> str:

@@ -103,7 +103,7 @@ step tests 60 "${PYTEST[@]}" -m "gpu and not slow" "${GPU_TESTS[@]}"
 step real 140 "$PY" benchmarks/gpu_check.py real --work "$WORK" $REHEARSE
 step full 100 "$PY" benchmarks/gpu_check.py full --work "$WORK" $REHEARSE
 if [ -n "$REHEARSE" ]; then QSIZE=(--hidden 256 --expert-ff 256 --layers 2 --tokens 20 --repeats 1 --device cpu)
-else QSIZE=(--layers 2 --tokens 40 --repeats 1 --device cuda); fi
+else QSIZE=(--layers 2 --tokens 40 --repeats 1 --device cuda --sim-tokens 500); fi
 TRACE=.gpu-trace/qwen3-30b-a3b-code.npz
 [ -f "$TRACE" ] && QSIZE+=(--trace "$TRACE")
 step quant 40 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$WORK/bench_quantized.json" \
