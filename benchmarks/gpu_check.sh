@@ -14,15 +14,16 @@
 #
 # Steps, most valuable first, each under its own timeout; output streams as it comes and every
 # step saves what it measured row by row; a row or test that fails is printed and the rest run:
-#   bandwidth  15 s  device copy and pinned H2D bandwidth: every decode row's bound comes from them
-#   tests      60 s  the quick CUDA tests (pytest -m "gpu and not slow", 8 workers, 50 s a test)
-#   real      140 s  12 bf16 layers at Qwen3-30B-A3B's expert size, routed by the carried trace:
+#   bandwidth  10 s  device copy and pinned H2D bandwidth: every decode row's bound comes from them
+#   tests      80 s  the quick CUDA tests (pytest -m "gpu and not slow", 8 workers, 50 s a test; each
+#                    test's outcome printed as it ends: 60 s cut the summary off on the H200)
+#   real      130 s  12 bf16 layers at Qwen3-30B-A3B's expert size, routed by the carried trace:
 #                    plain transformers, resident, 25% / 50% / 100% slots with both planners,
 #                    copy-every-pass, cpu, the accelerate-offload peer, batched rows (4 and 16
 #                    sequences); tok/s, bound and fraction, exactness, H2D bytes, syncs, host time
-#   full      100 s  48 layers x 128 experts (Qwen3-30B-A3B's real size, ~58 GB of bf16 experts
+#   full       90 s  48 layers x 128 experts (Qwen3-30B-A3B's real size, ~58 GB of bf16 experts
 #                    pinned on the host): resident, 50% / 25% with both planners, copy-every-pass
-#   quant      40 s  Q4_K quantized slots against bf16 slots on one memory budget (bench_quantized.py)
+#   quant      45 s  Q4_K quantized slots against bf16 slots on one memory budget (bench_quantized.py)
 #   dequant    15 s  what dequantizing Q4_K slots per use costs next to the step's matmuls
 #   diag       15 s  GPT-OSS MXFP4 logits: CPU and CUDA references and ours, every pair's difference
 #   summary    10 s  one table, gpu_check.json, the plots
@@ -92,21 +93,21 @@ step() {  # name limit command...: stream its output, record rc and seconds
 }
 
 # pytest: a collection error in one file must not stop the others; each test has its own limit
-PYTEST=("$PY" -m pytest -q -rfEs -p no:cacheprovider --continue-on-collection-errors)
+PYTEST=("$PY" -m pytest -v -rfEs -p no:cacheprovider --continue-on-collection-errors)
 "$PY" -c "import xdist" 2>/dev/null && [ -z "$REHEARSE" ] && PYTEST+=(-n 8)
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 50)
 GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py tests/test_dequant_gpu.py tests/test_gguf_gpu.py
            tests/test_hf_quant_gpu.py tests/test_devicestep.py)
 
-step bandwidth 15 "$PY" benchmarks/gpu_check.py bandwidth --work "$WORK" $REHEARSE
-step tests 60 "${PYTEST[@]}" -m "gpu and not slow" "${GPU_TESTS[@]}"
-step real 140 "$PY" benchmarks/gpu_check.py real --work "$WORK" $REHEARSE
-step full 100 "$PY" benchmarks/gpu_check.py full --work "$WORK" $REHEARSE
+step bandwidth 10 "$PY" benchmarks/gpu_check.py bandwidth --work "$WORK" $REHEARSE
+step tests 80 "${PYTEST[@]}" -m "gpu and not slow" "${GPU_TESTS[@]}"
+step real 130 "$PY" benchmarks/gpu_check.py real --work "$WORK" $REHEARSE
+step full 90 "$PY" benchmarks/gpu_check.py full --work "$WORK" $REHEARSE
 if [ -n "$REHEARSE" ]; then QSIZE=(--hidden 256 --expert-ff 256 --layers 2 --tokens 20 --repeats 1 --device cpu)
 else QSIZE=(--layers 2 --tokens 40 --repeats 1 --device cuda --sim-tokens 500); fi
 TRACE=.gpu-trace/qwen3-30b-a3b-code.npz
 [ -f "$TRACE" ] && QSIZE+=(--trace "$TRACE")
-step quant 40 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$WORK/bench_quantized.json" \
+step quant 45 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$WORK/bench_quantized.json" \
   --plot "$RES/bench_quantized.png"
 step dequant 15 "$PY" benchmarks/gpu_check.py dequant --work "$WORK" $REHEARSE
 step diag 15 "$PY" benchmarks/gpu_check.py diag --work "$WORK" $REHEARSE
