@@ -178,3 +178,38 @@ def test_auto_weighs_misses_with_this_machines_rates_unless_given_a_profile():
     assert summary["hardware"] == "measured at load" and "cpu_gflops" in summary["hardware_source"]
     given = offload(copy.deepcopy(reference), slots=4, miss="auto", hardware="h200").expertcache
     assert given.summary()["hardware"] == "h200"
+
+
+def test_no_grouped_matmul_takes_more_groups_than_the_limit(monkeypatch):
+    """Issue 29, defect 1: torch's CUDA grouped matmul refuses more than 1024 groups. With the
+    limit forced to 2, the host path's windows and the device step's kernel both split the pool,
+    every call stays within it, and the outputs equal the loop over slots."""
+    from expertcache.runtime.devicepath import slots_kernel
+
+    experts = tiny_model("qwen3_moe").model.layers[0].mlp.experts
+    S, (E, I2, H) = 7, experts.gate_up_proj.shape
+    g = torch.Generator().manual_seed(1)
+    pool = {"gate_up_proj": torch.randn(S, I2, H, generator=g),
+            "down_proj": torch.randn(S, H, I2 // 2, generator=g)}
+    rows = torch.tensor([[5, 0], [6, 2], [0, 3], [6, 5]])
+    weights, hidden = torch.rand(4, 2, generator=g), torch.randn(4, H, generator=g)
+    groups = sorted((s, rows.reshape(-1).tolist().count(s)) for s in set(rows.reshape(-1).tolist()))
+    want = grouped_over_slots(experts, hidden, rows, weights, pool, groups, False)
+    seen, real = [], compute.GROUPED_MM
+    monkeypatch.setattr(compute, "GROUPED_MM", lambda x, w, offs: seen.append(w.shape[0]) or real(x, w, offs=offs))
+    monkeypatch.setattr(compute, "GROUPED_MAX_GROUPS", 2)
+    host = grouped_over_slots(experts, hidden, rows, weights, pool, groups, True)
+    assert seen and max(seen) <= 2
+    assert torch.allclose(host, want, atol=1e-5)
+    seen.clear()
+    device = slots_kernel(experts, pool, False)(hidden, weights, rows)
+    assert seen == [2, 2, 2, 1] * 2          # the 7 pool rows in windows of 2, per projection
+    assert torch.allclose(device, want, atol=1e-5)
+
+
+def test_slot_counts_equal_histc_without_histc():
+    """Issue 29, defect 3: pairs per slot by a scatter-add (histc on CUDA ints syncs)."""
+    ids = torch.tensor([0, 0, 2, 5, 5, 5, 7])
+    counts = compute.slot_counts(ids, 9)
+    assert counts.dtype == torch.int32
+    assert counts.tolist() == torch.histc(ids.float(), bins=9, min=0, max=8).int().tolist()

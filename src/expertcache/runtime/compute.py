@@ -22,6 +22,9 @@ GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, 
 FAST_GROUPED_MM = {9, 10}
 # most weight elements one grouped matmul's view spans (int32 indexing stays safe below it)
 GROUPED_MAX_ELEMENTS = 2 ** 31 - 1
+# most groups (weight rows of the pool) one grouped matmul takes: torch's CUDA kernel raises
+# "Can't process more than 1024 groups" past it (issue 29, defect 1)
+GROUPED_MAX_GROUPS = 1024
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -79,7 +82,8 @@ def grouped_over_slots(module: torch.nn.Module, hidden: torch.Tensor, slot_idx: 
 
 def _windows(groups: list[tuple[int, int]], per_slot: int) -> list[tuple[int, int, int, int]]:
     """(lo, hi, first pair, end pair) per window: runs of the used slots, each under
-    ``GROUPED_MAX_ELEMENTS`` weight elements from its first slot to its last.
+    ``GROUPED_MAX_ELEMENTS`` weight elements and ``GROUPED_MAX_GROUPS`` slots from its first
+    slot to its last.
 
     One grouped matmul reads the slots ``lo..hi-1`` of a window (views, no copy), never the
     whole pool: at real sizes a pool is thousands of groups and a weight view past 2^31
@@ -88,7 +92,8 @@ def _windows(groups: list[tuple[int, int]], per_slot: int) -> list[tuple[int, in
     """
     out, first, start = [], 0, 0
     for i, (slot, _) in enumerate(groups):
-        if i > first and (slot - groups[first][0] + 1) * per_slot > GROUPED_MAX_ELEMENTS:
+        span = slot - groups[first][0] + 1
+        if i > first and (span * per_slot > GROUPED_MAX_ELEMENTS or span > GROUPED_MAX_GROUPS):
             end = start + sum(n for _, n in groups[first:i])
             out.append((groups[first][0], groups[i - 1][0] + 1, start, end))
             first, start = i, end
@@ -99,12 +104,8 @@ def _windows(groups: list[tuple[int, int]], per_slot: int) -> list[tuple[int, in
 
 def _grouped(ids: torch.Tensor, windows: list[tuple[int, int, int, int]]):
     """One grouped matmul per window; per-slot offsets computed on the device from the sorted ids."""
-    offsets = []
-    for lo, hi, a, b in windows:
-        local = ids[a:b] - lo
-        counts = torch.histc(local.float() if ids.device.type == "cpu" else local.int(),  # CPU histc: floats
-                             bins=hi - lo, min=0, max=hi - lo - 1)
-        offsets.append(torch.cumsum(counts, dim=0, dtype=torch.int32))
+    offsets = [torch.cumsum(slot_counts(ids[a:b] - lo, hi - lo), dim=0, dtype=torch.int32)
+               for lo, hi, a, b in windows]
 
     def matmul(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
         outs = []
@@ -113,6 +114,13 @@ def _grouped(ids: torch.Tensor, windows: list[tuple[int, int, int, int]]):
             outs.append(GROUPED_MM(x[a:b].to(w.dtype), part if transposed else part.transpose(-2, -1), offs=offs))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     return matmul
+
+
+def slot_counts(local: torch.Tensor, size: int) -> torch.Tensor:
+    """Pairs per slot: ``local`` [N] slot ids in ``0..size-1`` -> int32 [size]. A scatter-add into a
+    fixed-size buffer: ``torch.histc`` on CUDA ints synchronizes the stream (issue 29, defect 3)."""
+    counts = torch.zeros(size, dtype=torch.int32, device=local.device)
+    return counts.scatter_add(0, local.long(), torch.ones_like(local, dtype=torch.int32))
 
 
 def _looped(groups: list[tuple[int, int]]):

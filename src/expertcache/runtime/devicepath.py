@@ -24,7 +24,8 @@ import torch
 
 from ..lagged import LaggedTable
 from ..stats import DECODE, Stats
-from .compute import GROUPED_MM, _activate, fast_grouped_mm
+from . import compute
+from .compute import _activate, fast_grouped_mm, slot_counts
 from .devicestep import DeviceStep, LaggedDriver
 
 
@@ -104,9 +105,7 @@ def slots_kernel(module: torch.nn.Module, pool: dict[str, torch.Tensor], transpo
         T, K = rows.shape
         flat = rows.reshape(-1).long()                                       # [N]
         order, perm = torch.sort(flat, stable=True)                          # [N] pairs by row
-        counts = torch.zeros(w_up.shape[0], dtype=torch.int32, device=flat.device)
-        counts = counts.scatter_add(0, order, torch.ones_like(order, dtype=torch.int32))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)                    # [S+R]
+        offs = torch.cumsum(slot_counts(order, w_up.shape[0]), 0, dtype=torch.int32)  # [S+R]
         xs = x[perm // K].to(w_up.dtype)                                     # [N, H]
         proj = _mm(xs, w_up, offs, order, transposed)
         if first + "_bias" in pool:
@@ -137,5 +136,27 @@ def _mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tenso
     cuda = w.device.type == "cuda"
     if (cuda and fast_grouped_mm("cuda", w.dtype, torch.cuda.get_device_capability(w.device))) or \
             (not cuda and not torch.compiler.is_compiling()):
-        return GROUPED_MM(x, w, offs=offs)
+        return _grouped_windows(x, w, offs, order)
     return torch.bmm(x.unsqueeze(1), w.index_select(0, order)).squeeze(1)  # [N, out]
+
+
+def _grouped_windows(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``_mm``'s grouped matmul in windows of at most ``compute.GROUPED_MAX_GROUPS`` pool rows
+    (torch's CUDA kernel takes no more: issue 29, defect 1); fixed shapes, no host read.
+
+    Window ``[lo, hi)`` gets the pool's cumulative offsets as they are, so its first group also
+    spans the pairs of the rows below ``lo`` (computed with the wrong weights) and the pairs past
+    its last offset are left unwritten: each pair keeps the result of its own row's window only
+    (``torch.where``, which never reads the rejected values). The windows are few (the pool's rows
+    over 1024), each reading only its own rows' weights; the fused kernel (``runtime/fused.py``),
+    where Triton runs, is the one whose work follows the pairs alone.
+    """
+    size, limit = w.shape[0], compute.GROUPED_MAX_GROUPS
+    if size <= limit:
+        return compute.GROUPED_MM(x, w, offs=offs)
+    out = None
+    for lo in range(0, size, limit):                                       # static: the pool's size
+        part = compute.GROUPED_MM(x, w[lo:lo + limit], offs=offs[lo:lo + limit])   # [N, out]
+        mine = ((order >= lo) & (order < lo + limit)).unsqueeze(-1)         # [N, 1]
+        out = torch.where(mine, part, out if out is not None else torch.zeros_like(part))
+    return out
