@@ -20,6 +20,7 @@ interpreter, ``TRITON_INTERPRET=1``, runs the same programs for the tests).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -28,6 +29,8 @@ NAME = "triton-fused"
 # slot formats the kernel decodes -> its FMT constexpr (fused_formats.py)
 QUANT = {"Q8_0": 1, "Q4_K": 2, "Q6_K": 3, "Q5_K": 4, "MXFP4": 5}
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# False: every pool keeps the torch path (benchmarks and tests compare the two on one machine)
+ENABLED = True
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class Layout:
     dtype: torch.dtype    # the compute dtype (activations, the matmul inputs)
 
 
+@cache
 def triton_refusal() -> str | None:
     """Why the kernel cannot run in this process, or None."""
     try:
@@ -69,9 +73,21 @@ def triton_refusal() -> str | None:
 def device_refusal(device: torch.device) -> str | None:
     """Why the kernel does not serve pools on ``device``: CUDA only (on the CPU, torch's grouped
     matmul or ggml read the slots; the interpreter is for tests), and Triton present."""
+    if not ENABLED:
+        return "the fused kernel is turned off (expertcache.runtime.fused.ENABLED = False)"
     if torch.device(device).type != "cuda":
         return f"pools on {torch.device(device).type}: the fused kernel runs on CUDA"
     return triton_refusal()
+
+
+def layout_for(module: torch.nn.Module, pool: dict[str, torch.Tensor], codec=None,
+               transposed: bool = False) -> Layout | str:
+    """The kernel's layout of ``pool`` for ``module``'s experts (``codec``: quantized slots, one
+    layer's), or why the kernel does not serve them (the device, Triton, the family, the format)."""
+    refusal = device_refusal(next(iter(pool.values())).device) or module_refusal(module)
+    if refusal is not None:
+        return refusal
+    return float_layout(pool, transposed) if codec is None else quant_layout(pool, codec)
 
 
 _GATES: dict[type, str | None] = {}
