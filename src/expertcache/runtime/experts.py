@@ -20,6 +20,7 @@ import torch
 from ..stats import DECODE, PREFILL
 from .compute import grouped_over_slots
 from .cpukernel import ggml_experts
+from .fused import fused_experts
 from .miss import cpu_experts
 
 IMPLEMENTATION = "expertcache"
@@ -126,8 +127,12 @@ def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weigh
                    hits: dict[int, int], loads: dict[int, int], staged: list[int]) -> torch.Tensor | None:
     """Compute the device's experts in the passes ``plan_rounds`` lays out."""
     pool, host = cache.pool, cache.hosts[layer]
+    # the fused kernel (runtime/fused.py, CUDA with Triton) reads quantized slots in place: no
+    # scratch, so no cap on the experts of a pass
+    fused = None if cache.direct else pool.fused_layout(module, host)
+    max_view = pool.max_view if fused is None else None
     out = None
-    for mapping, copies in plan_rounds(hits, loads, staged, pool.staging_ids, pool.max_view, pool.cuda):
+    for mapping, copies in plan_rounds(hits, loads, staged, pool.staging_ids, max_view, pool.cuda):
         for expert, slot in copies:
             cache.h2d[phase][layer] += pool.load(slot, host, expert)
         if not mapping:
@@ -135,6 +140,12 @@ def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weigh
         pool.ready(mapping.values())  # compute waits for copies into the slots it reads, only those
         if cache.direct:  # ggml on the slots' bytes (CPU): no dequantization, no scratch
             y = ggml_experts(cache.kernels[layer], module, hidden, top_k_weights, idx_rows, mapping, pool.tensors)
+            out = y if out is None else out + y
+            continue
+        if fused is not None:
+            y = fused_experts(hidden, top_k_weights, _slot_index(mapping, cache.num_experts, pool.size, top_k_index),
+                              fused)
+            pool.mark_read(mapping.values())
             out = y if out is None else out + y
             continue
         weights, rows = pool.view(mapping, host)

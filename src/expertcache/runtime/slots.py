@@ -26,6 +26,7 @@ import torch
 from typing import TYPE_CHECKING
 
 from ..config import SLOT_KINDS
+from . import fused
 from .compute import grouped_mm_works
 from .host import HostExperts
 
@@ -117,6 +118,30 @@ class SlotPool:
             decoded = host.codec.decode({k: t[:size[k].nbytes].unsqueeze(0) for k, t in self._landing.items()})
             for kind, weights in decoded.items():
                 self.tensors[kind][slot].copy_(weights[0])
+
+    def fused_layout(self, module: torch.nn.Module, host: HostExperts) -> fused.Layout | None:
+        """The fused kernel's view of the slots for ``module`` (``runtime/fused.py``), or None where
+        the torch path computes them (``kernel_report`` says why)."""
+        layout = self._layout(module, host)
+        return layout if isinstance(layout, fused.Layout) else None
+
+    def _layout(self, module: torch.nn.Module, host: HostExperts) -> fused.Layout | str:
+        quantized = self.format == "quantized"  # dequantized slots: float, always [out, in]
+        return fused.layout_for(module, self.tensors, host.codec if quantized else None,
+                                False if self.format == "dequantized" else host.transposed)
+
+    def kernel_report(self, module: torch.nn.Module | None, host: HostExperts) -> tuple[str, str]:
+        """(the kernel that computes on these slots, why): ``fused.NAME`` or the torch path."""
+        torch_path = ("grouped_mm" if self.grouped else "matmul loop") + \
+            (" on dequantized scratch" if self.format == "quantized" else "")
+        if module is None:
+            return torch_path, "no experts module seen yet"
+        layout = self._layout(module, host)
+        if isinstance(layout, str):
+            return torch_path, layout
+        return fused.NAME, ("Triton kernel over the slots, pairs sorted into blocks on the device: "
+                            + ("quantized bytes decoded in place, no scratch" if self.format == "quantized"
+                               else "weights read in place"))
 
     def view(self, mapping: dict[int, int], host: HostExperts) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
         """Compute weights for the experts in ``mapping`` (expert -> slot), and expert -> row in them.

@@ -37,7 +37,8 @@ class LiveStats(Stats):
         p = self.pool
         return (f"{table}\nslots: {p['slot_format']}, {format_size(p['bytes_per_slot'])} each, "
                 f"{format_size(p['bytes_per_load'])} per load; host experts: {p['host_memory']} "
-                f"({p['host_memory_reason']})")
+                f"({p['host_memory_reason']})"
+                + (f"\nexpert kernel: {p['expert_kernel']} ({p['expert_kernel_reason']})" if "expert_kernel" in p else ""))
 
     __repr__ = __str__
 
