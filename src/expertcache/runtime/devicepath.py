@@ -28,19 +28,28 @@ from .compute import GROUPED_MM, _activate, fast_grouped_mm
 from .devicestep import DeviceStep, LaggedDriver
 
 
-def device_planner_refusal(cache) -> str | None:
-    """Why ``cache`` cannot run the device planner, or None when it can."""
+def settings_refusal(cache) -> str | None:
+    """Why ``cache``'s settings rule the device planner out (before the pool exists), or None."""
     if cache.host_resident:
         return "every expert is computed on the host's bytes (resident, ggml): no slots to plan"
     if cache.slot_format != "plain":
         return f"slot format {cache.slot_format!r}: the device step stages plain (float) experts only"
     if cache.miss != "fetch":
         return f"miss path {cache.miss!r} computes misses on the host; the device step fetches them"
-    if cache.pool.staging == 0:
-        return "the pool has no staging rows (every expert is resident: nothing to plan)"
-    if cache.pool.staging < cache.config.staging_blocks:
-        return (f"staging_blocks={cache.config.staging_blocks} needs as many staging rows; the pool "
-                f"has {cache.pool.staging}")
+    return None
+
+
+def device_planner_refusal(cache) -> str | None:
+    """Why ``cache`` cannot run the device planner, or None when it can."""
+    refusal = settings_refusal(cache)
+    if refusal is not None:
+        return refusal
+    pool = cache.pool
+    if pool.staging == 0 and pool.slots != cache.num_layers * cache.num_experts:
+        return "the pool has no staging rows and not every expert has a slot"
+    if pool.staging and pool.staging < cache.staging_blocks:
+        return (f"staging_blocks={cache.staging_blocks} needs as many staging rows; the pool "
+                f"has {pool.staging}")
     return None
 
 

@@ -79,14 +79,17 @@ class DeviceStep:
         if len(size) != 1:
             raise ValueError(f"pool tensors differ in rows: {sorted(size)}")
         self.size = size.pop()  # S + R
-        if not 0 <= slots < self.size:
-            raise ValueError(f"slots={slots} leaves no staging row in a pool of {self.size} rows")
-        self.pool, self.slots, self.staging = pool, slots, self.size - slots  # S, R
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= self.staging:
-            raise ValueError(f"staging blocks must be a whole number in 1..{self.staging}, got {blocks!r}")
-        self.blocks, self.width = blocks, self.staging // blocks  # layer l stages into block l % blocks
         self.num_layers, self.top_k = len(hosts), top_k
         self.num_experts = next(iter(hosts[0].values())).shape[0]  # E
+        # no staging row: allowed only when every expert of every layer has a slot (resident)
+        complete = slots == self.num_layers * self.num_experts == len(resident or {}) == self.size
+        if not (0 <= slots < self.size or complete):
+            raise ValueError(f"slots={slots} leaves no staging row in a pool of {self.size} rows")
+        self.pool, self.slots, self.staging = pool, slots, self.size - slots  # S, R
+        self.complete = complete  # every expert resident: a step never stages
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= max(self.staging, 1):
+            raise ValueError(f"staging blocks must be a whole number in 1..{self.staging}, got {blocks!r}")
+        self.blocks, self.width = blocks, self.staging // blocks  # layer l stages into block l % blocks
         self.device = next(iter(pool.values())).device
         self.cuda = self.device.type == "cuda"
         # L layers, E experts: slot of each expert, -1 when not resident
@@ -109,7 +112,8 @@ class DeviceStep:
     def fits(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens runs here: its misses fit the staging rows and
         its routing fits the record buffer (shapes only, no tensor is read)."""
-        return min(tokens * self.top_k, self.num_experts) <= self.width and tokens <= self.max_tokens
+        fit = self.complete or min(tokens * self.top_k, self.num_experts) <= self.width
+        return fit and tokens <= self.max_tokens
 
     def staged_rows(self, tokens: int) -> int:
         """Staging rows one step of ``tokens`` tokens writes: ``min(T*K, E, R // blocks)``."""
@@ -138,7 +142,8 @@ class DeviceStep:
         """Non-blocking copy of the step's ids [T, K] into the pinned routing buffer."""
         T = topk_ids.shape[0]
         self.routed[layer, :T].copy_(topk_ids, non_blocking=self.cuda)
-        if self.cuda and layer == self.num_layers - 1:
+        if self.cuda and layer == self.num_layers - 1 and not torch.cuda.is_current_stream_capturing():
+            # inside a CUDA graph capture the replay's caller records the event (runtime/graphs.py)
             self.routed_event = torch.cuda.current_stream(self.device).record_event()
 
     def run(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -210,18 +215,23 @@ class DeviceStep:
         buffers["expert"].fill_(self.num_experts)
         buffers["slot"].fill_(-1)
         buffers["source"].fill_(-1)
-        for i, (layer, expert, slot, source) in enumerate(updates):
-            buffers["layer"][i], buffers["expert"][i] = layer, expert
-            buffers["slot"][i], buffers["source"][i] = slot, source
+        if updates:  # one write per column (the buffers are host memory)
+            cols = torch.tensor([tuple(u) for u in updates], dtype=torch.int64).T  # [4, U]
+            for name, col in zip(("layer", "expert", "slot", "source"), cols):
+                buffers[name][:len(updates)] = col
 
-    def apply_fixed(self, buffers: dict[str, torch.Tensor]) -> None:
+    def apply_fixed(self, buffers: dict[str, torch.Tensor], from_host: bool = True) -> None:
         """Apply a fixed-size update list on the device: no host read, fixed shapes.
 
         Each entry writes the map (entries with expert E are dropped into a spare column) and
         copies one row into its slot: from the staging row when ``source >= 0``, else from the
         host store (CPU: index copy; CUDA: through the pinned store's device view). Entries
         without a slot copy into the spare staging row S+R-1, which no step then reads before it
-        is staged again. Use between forwards, before the first layer's step."""
+        is staged again. Use between forwards, before the first layer's step.
+
+        ``from_host=False``: the list holds no load from the host (the caller applied those
+        with ``apply`` first), so the per-layer gathers from the host stores are left out: the
+        graph then costs one row copy per entry (what a replayed decode step uses)."""
         # U updates; E experts; S slots; R staging rows
         dev = {k: v.to(self.device, non_blocking=self.cuda) for k, v in buffers.items()}
         E, spare = self.num_experts, self.size - 1
@@ -234,7 +244,7 @@ class DeviceStep:
         staging_row = torch.where(from_staging, self.slots + source, spare)  # [U]
         for kind, dst in self.pool.items():
             on_device = dst.index_select(0, staging_row)                    # [U, ...]
-            for layer_id in range(self.num_layers):  # per layer: its host store; shapes fixed
+            for layer_id in range(self.num_layers if from_host else 0):  # per layer: its host store
                 mine = (layer == layer_id) & ~from_staging & (slot >= 0)
                 host_rows = torch.where(mine, expert.clamp(max=E - 1), E)   # E: sentinel
                 fetched = dst.new_empty(on_device.shape)

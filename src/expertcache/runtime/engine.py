@@ -48,9 +48,8 @@ class ExpertCache:
         self.miss, self.hardware = run.miss, hardware or PRESETS[DEFAULT]
         self.cost = self._expert_cost(hosts[0])
         # what the pool's slots, staging and scratch take: the same object plan sizes with
-        self.sizing = PoolSizing(self.cost, self.slot_format, top_k,
-                                 0 if run.baseline == "resident" else staging_slots(run.miss, run.staging, top_k),
-                                 self.direct)
+        staging, self.staging_blocks = self._staging(config, run)
+        self.sizing = PoolSizing(self.cost, self.slot_format, top_k, staging, self.direct)
         slots, pool_slots, staging = self._size(run)
         self.table = SlotTable(self.num_layers, self.num_experts, slots, eviction=run.eviction,
                                admission=run.admission, partition=run.partition, top_k=top_k)
@@ -66,6 +65,26 @@ class ExpertCache:
             self._place_imatrix(counts, config.imatrix_mode, run)
         self.planner, self.planner_reason = self._planner(config)  # after placement: the map starts full
 
+    def _staging(self, config: CacheConfig, run: CacheConfig) -> tuple[int, int]:
+        """(staging rows of the pool, staging blocks of the device planner).
+
+        The device planner's default (``staging_blocks=None``) is a block per layer, each of
+        ``staging`` rows (default top-k): a layer's misses then survive until the policy's
+        decisions are applied, so an admitted miss crosses once, as on the host planner
+        (issue 29: one shared block made it cross twice). Without admissions (copy-every-pass)
+        one shared block does."""
+        if run.baseline == "resident":
+            return 0, 1
+        rows = staging_slots(run.miss, run.staging, self.top_k)
+        if config.staging_blocks is not None:
+            return rows, config.staging_blocks
+        if config.planner != "device" or run.admission.name == "never" or not rows:
+            return rows, 1
+        from .devicepath import settings_refusal
+        if settings_refusal(self) is not None:  # the host planner runs: no per-layer rows
+            return rows, 1
+        return rows * self.num_layers, self.num_layers
+
     def _planner(self, config: CacheConfig):
         """(the ``DevicePlanner`` or None, why this planner): runtime/devicepath.py."""
         if config.planner == "host":
@@ -75,7 +94,7 @@ class ExpertCache:
         if refusal is not None:
             return None, f"planner='device' refused, host planner used: {refusal}"
         why = f"planner='device': decode steps on the device, the policy {config.lag} forward(s) behind"
-        return DevicePlanner(self, config.lag, config.staging_blocks), why
+        return DevicePlanner(self, config.lag, self.staging_blocks), why
 
     def _cpu_kernel(self, choice: str) -> tuple[str, str]:
         if self.codec is None:
