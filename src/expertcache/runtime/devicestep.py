@@ -220,18 +220,17 @@ class DeviceStep:
             for name, col in zip(("layer", "expert", "slot", "source"), cols):
                 buffers[name][:len(updates)] = col
 
-    def apply_fixed(self, buffers: dict[str, torch.Tensor], from_host: bool = True) -> None:
+    def apply_fixed(self, buffers: dict[str, torch.Tensor]) -> None:
         """Apply a fixed-size update list on the device: no host read, fixed shapes.
 
         Each entry writes the map (entries with expert E are dropped into a spare column) and
         copies one row into its slot: from the staging row when ``source >= 0``, else from the
         host store (CPU: index copy; CUDA: through the pinned store's device view). Entries
         without a slot copy into the spare staging row S+R-1, which no step then reads before it
-        is staged again. Use between forwards, before the first layer's step.
-
-        ``from_host=False``: the list holds no load from the host (the caller applied those
-        with ``apply`` first), so the per-layer gathers from the host stores are left out: the
-        graph then costs one row copy per entry (what a replayed decode step uses)."""
+        is staged again. Use between forwards, before the first layer's step. Every entry copies
+        a row, used or not: a list sized for the worst forward (2 x L x B x K at lag 1) copies
+        that many rows each time, which is why replayed decode (runtime/graphs.py) applies the
+        actual updates with ``apply`` between replays instead."""
         # U updates; E experts; S slots; R staging rows
         dev = {k: v.to(self.device, non_blocking=self.cuda) for k, v in buffers.items()}
         E, spare = self.num_experts, self.size - 1
@@ -244,7 +243,7 @@ class DeviceStep:
         staging_row = torch.where(from_staging, self.slots + source, spare)  # [U]
         for kind, dst in self.pool.items():
             on_device = dst.index_select(0, staging_row)                    # [U, ...]
-            for layer_id in range(self.num_layers if from_host else 0):  # per layer: its host store
+            for layer_id in range(self.num_layers):  # per layer: its host store; shapes fixed
                 mine = (layer == layer_id) & ~from_staging & (slot >= 0)
                 host_rows = torch.where(mine, expert.clamp(max=E - 1), E)   # E: sentinel
                 fetched = dst.new_empty(on_device.shape)

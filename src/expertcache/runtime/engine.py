@@ -17,6 +17,7 @@ from ..stats import DECODE, PREFILL
 from .cpudense import report_of
 from .cpukernel import GgmlExperts
 from .device import free_memory
+from .graphs import DecodeGraphs
 from .host import HostExperts
 from .slots import SlotPool
 from .stats import LiveStats
@@ -64,6 +65,7 @@ class ExpertCache:
         elif counts is not None:
             self._place_imatrix(counts, config.imatrix_mode, run)
         self.planner, self.planner_reason = self._planner(config)  # after placement: the map starts full
+        self.graphs = DecodeGraphs(self)  # decode replayed from captured graphs (runtime/graphs.py)
 
     def _staging(self, config: CacheConfig, run: CacheConfig) -> tuple[int, int]:
         """(staging rows of the pool, staging blocks of the device planner).
@@ -251,6 +253,7 @@ class ExpertCache:
                 "host_memory": mode, "host_memory_reason": reason,
                 "hardware": self.hardware.name, "hardware_source": self.hardware.source,
                 "planner": "host" if self.planner is None else "device", "planner_reason": self.planner_reason,
+                "graphs": self.graphs.summary(),
                 "device": str(self.device), "config": self.config.to_dict()}
 
     def __repr__(self) -> str:
