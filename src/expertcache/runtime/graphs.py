@@ -209,6 +209,7 @@ class _Runner:
         graphs.captures += 1
         try:
             if not self.cuda:
+                _room_for_runners()
                 fn = torch.compile(self._step, fullgraph=True, backend=CPU_BACKEND)
                 fn()  # traced whole or raises (fullgraph): no silent break
                 return fn
@@ -221,6 +222,15 @@ class _Runner:
             graphs.active = False
             self._step()  # the step's writes are the same whatever ran of it before
             return self._step
+
+
+def _room_for_runners() -> None:
+    """Every runner compiles the same code (``_Runner._step``) for its own ``self``, which
+    dynamo counts as recompiles of one frame (8 by default, then fullgraph fails): allow one
+    per runner a long-lived process may build (models x batch sizes)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 256))
 
 
 def _cuda_graph(step, device):
