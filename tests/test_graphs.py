@@ -161,3 +161,42 @@ def test_cli_graphs_on_equals_off(checkpoint, tmp_path, capsys):
     stop = " ".join(on.split()[4:6])
     cut, _, _ = _cli(checkpoint, tmp_path, capsys, "cut", "--graphs", "on", "--stop", stop)
     assert stop not in cut and on.startswith(cut.rstrip())
+
+
+@pytest.mark.parametrize("qtype,down", [("Q8_0", None), ("Q4_K", ["Q6_K", "Q4_K"])], ids=["q8_0", "q4_k_m"])
+def test_gguf_dequantized_slots_take_the_device_path(tmp_path, qtype, down):
+    """A GGUF's experts with dequantized slots: staged and loaded as their bytes (each layer its
+    own type, as in Q4_K_M), dequantized on the device; eager and replayed decode equal
+    transformers' own loading of the file. Quantized slots are refused with the reason."""
+    import expertcache
+    from gguf_models import write_gguf
+    from test_gguf import reference
+
+    from expertcache.ggufmodel.header import read_header
+
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", qtype, **({"down_type": down} if down else {}))
+    sizes = [read_header(path).layer_expert_bytes(b) for b in read_header(path).moe_blocks]
+    prompt = torch.tensor([[5, 9, 77, 120, 3, 44, 200, 17]])
+    ref = reference(path)
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=N, do_sample=False)[:, prompt.shape[1]:]
+    settings = dict(slots=6, slot_format="dequantized", cpu_kernel="torch", planner="device")
+    eager = expertcache.offload(path, **settings)
+    assert eager.expertcache.summary()["planner"] == "device", eager.expertcache.planner_reason
+    with torch.no_grad():
+        got = eager.generate(prompt, max_new_tokens=N, do_sample=False)[:, prompt.shape[1]:]
+    assert torch.equal(got, want)
+    stats, planner = eager.expertcache.stats(), eager.expertcache.planner
+    assert planner.device_forwards == N - 1 and stats.total("decode").misses > 0
+    # decode bytes: each miss crosses once as its own layer's stored bytes, plus the loads
+    # from the host (the table moved a resident expert to another slot: a relocation)
+    assert planner.lagged.staged == stats.total("decode").misses
+    host_loaded = sum(planner.copies[1]) - planner.lagged.staged
+    assert host_loaded == planner.lagged.host_loads <= 1
+    missed = sum(stats.layer(l, "decode").misses * sizes[l] for l in (0, 1))
+    assert missed <= stats.h2d_bytes("decode") <= missed + host_loaded * max(sizes)
+    replayed = expertcache.offload(path, graphs="on", **settings)
+    tokens, _ = _replayed(replayed, prompt)
+    assert torch.equal(tokens, want) and replayed.expertcache.graphs.summary()["breaks"] == 0
+    quantized = expertcache.offload(path, slots=6, slot_format="quantized", cpu_kernel="torch", planner="device")
+    assert "slot format 'quantized'" in quantized.expertcache.planner_reason

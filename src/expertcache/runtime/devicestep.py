@@ -71,8 +71,14 @@ class DeviceStep:
 
     def __init__(self, pool: dict[str, torch.Tensor], hosts: Sequence[dict[str, torch.Tensor]],
                  slots: int, *, top_k: int, max_tokens: int = 256, blocks: int = 1,
-                 resident: dict[int, int] | None = None) -> None:
-        if not pool or any(set(h) != set(pool) for h in hosts):
+                 resident: dict[int, int] | None = None,
+                 decoders: Sequence[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] | None = None
+                 ) -> None:
+        # decoders (one per layer): the host stores hold stored bytes by part (a GGUF's
+        # quantized experts) and decoders[l]({part: [n, bytes]}) -> {weight: [n, ...]} gives
+        # the pool's rows (dequantized slots): a staged or loaded row crosses as bytes
+        self.decoders = list(decoders) if decoders is not None else None
+        if not pool or (self.decoders is None and any(set(h) != set(pool) for h in hosts)):
             raise ValueError(f"the pool's weights {sorted(pool)} and every layer's host store must "
                              "have the same names")
         size = {t.shape[0] for t in pool.values()}
@@ -135,8 +141,27 @@ class DeviceStep:
         """Copy the staged experts' rows (``staged`` [W] from ``remap``) into the layer's staging
         block, rows first_staging_row(layer) + 0..W-1."""
         W, first = staged.shape[0], self.first_staging_row(layer)
+        if self.decoders is not None:  # bytes across, dequantized on the device into the rows
+            for kind, rows in self.fetch(layer, staged).items():
+                self.pool[kind].narrow(0, first, W).copy_(rows)
+            return
         for kind, dst in self.pool.items():
             gather_rows(self.sources[layer][kind], staged, dst.narrow(0, first, W))
+
+    def fetch(self, layer: int, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The pool's weights [W, ...] of ``layer``'s experts ``rows`` [W] (E: sentinel, a row of
+        no use) from its host store; with decoders: the bytes gathered, then dequantized."""
+        if self.decoders is None:
+            out = {}
+            for kind, dst in self.pool.items():
+                out[kind] = dst.new_empty((rows.shape[0], *dst.shape[1:]))
+                gather_rows(self.sources[layer][kind], rows, out[kind])
+            return out
+        raw = {}
+        for part, src in self.sources[layer].items():   # [W, bytes]: zeros for sentinel rows
+            raw[part] = src.new_zeros((rows.shape[0], *src.shape[1:]))
+            gather_rows(src, rows, raw[part])
+        return {kind: w.to(self.pool[kind].dtype) for kind, w in self.decoders[layer](raw).items()}
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Non-blocking copy of the step's ids [T, K] into the pinned routing buffer."""
@@ -183,8 +208,8 @@ class DeviceStep:
                 dst.index_copy_(0, dst_rows, dst.index_select(0, src_rows))
         for layer, pairs in hosted.items():
             dst_rows, experts = (self._index(c) for c in zip(*pairs))
-            for kind, dst in self.pool.items():
-                dst.index_copy_(0, dst_rows, self.sources[layer][kind].index_select(0, experts))
+            for kind, rows in self.fetch(layer, experts).items():
+                self.pool[kind].index_copy_(0, dst_rows, rows)
 
     def _index(self, values) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64).to(self.device, non_blocking=self.cuda)
@@ -241,15 +266,14 @@ class DeviceStep:
         dst_row = torch.where(slot >= 0, slot, spare)                        # [U]
         from_staging = source >= 0                                          # [U]
         staging_row = torch.where(from_staging, self.slots + source, spare)  # [U]
+        rows = {kind: dst.index_select(0, staging_row) for kind, dst in self.pool.items()}  # [U, ...]
+        for layer_id in range(self.num_layers):  # per layer: its host store; shapes fixed
+            mine = (layer == layer_id) & ~from_staging & (slot >= 0)
+            host_rows = torch.where(mine, expert.clamp(max=E - 1), E)       # E: sentinel
+            for kind, fetched in self.fetch(layer_id, host_rows).items():
+                rows[kind] = torch.where(mine.view(-1, *[1] * (fetched.ndim - 1)), fetched, rows[kind])
         for kind, dst in self.pool.items():
-            on_device = dst.index_select(0, staging_row)                    # [U, ...]
-            for layer_id in range(self.num_layers):  # per layer: its host store; shapes fixed
-                mine = (layer == layer_id) & ~from_staging & (slot >= 0)
-                host_rows = torch.where(mine, expert.clamp(max=E - 1), E)   # E: sentinel
-                fetched = dst.new_empty(on_device.shape)
-                gather_rows(self.sources[layer_id][kind], host_rows, fetched)
-                on_device = torch.where(mine.view(-1, *[1] * (dst.ndim - 1)), fetched, on_device)
-            dst.index_copy_(0, dst_row, on_device)
+            dst.index_copy_(0, dst_row, rows[kind])
 
 
 class LaggedDriver:

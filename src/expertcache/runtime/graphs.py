@@ -218,6 +218,8 @@ class _Runner:
             if not self.cuda:  # a graph break, refused by fullgraph=True
                 graphs.breaks += 1
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            if os.environ.get("EXPERTCACHE_GRAPH_DEBUG"):
+                raise
             graphs.reason = graphs.refused = f"capture failed, decode eager: {type(err).__name__}: {first}"
             graphs.active = False
             self._step()  # the step's writes are the same whatever ran of it before
