@@ -149,9 +149,11 @@ def test_live_counts_equal_sim_lag_replay(reference, kwargs):
     live = offload(copy.deepcopy(reference), planner="device", **kwargs)
     trace = record(live, _ids(1, seed=11), 9)
     policy = f"{kwargs.get('eviction', 'default')}+{kwargs.get('admission', 'always')}"
-    blocks = kwargs.get("staging_blocks", 1)
+    # the device planner's default: a block of top-k (2) rows per layer; else staging // blocks
+    blocks = kwargs.get("staging_blocks", 2)
+    width = kwargs["staging"] // blocks if "staging_blocks" in kwargs else 2
     replayed = lag_replay(trace, policy, kwargs["slots"], kwargs.get("partition", "global"), kwargs.get("lag", 1),
-                          staging=kwargs.get("staging", 2) // blocks, blocks=blocks)
+                          staging=width, blocks=blocks)
     observed = live.expertcache.stats()
     for phase in ("prefill", "decode"):
         for layer in range(2):
@@ -164,8 +166,8 @@ def test_live_counts_equal_sim_lag_replay(reference, kwargs):
     pool = observed.pool
     assert pool["planner"] == "device" and pool["lag"] == kwargs.get("lag", 1) and pool["device_forwards"] == 8
     assert pool["pending_forwards"] == kwargs.get("lag", 1)  # observed, not yet decided
-    if kwargs.get("staging_blocks"):  # a block per layer: admitted misses load from their staging row
-        assert planner.step.blocks == 2 and planner.lagged.staging_loads > 0
+    # a block per layer (the default): admitted misses load from their staging row
+    assert planner.step.blocks == 2 and planner.lagged.staging_loads > 0
 
 
 def test_lag_zero_is_the_plain_replay(reference):
@@ -261,3 +263,25 @@ def test_cuda_step_makes_no_sync():
     assert torch.allclose(out.cpu(), ref, atol=1e-4)
     step.routed_event.synchronize() if step.routed_event is not None else torch.cuda.synchronize()
     assert torch.equal(step.routing(0, 2), ids.int().cpu())
+
+
+def test_device_planner_bytes_match_the_host_planners(reference):
+    """Issue 29, defect 2: with a staging block per layer (the device planner's default) an
+    admitted miss crosses once, so decode H2D bytes are one copy per miss, as on the host
+    planner; one shared block (``staging_blocks=1``) copies admitted misses a second time."""
+    ids = _ids(1, seed=5)
+
+    def decode(**kwargs):
+        model = offload(copy.deepcopy(reference), slots=4, **kwargs)  # 25% of the 16 experts
+        _generate(model, ids, n=12)
+        stats, cache = model.expertcache.stats(), model.expertcache
+        return stats.h2d_bytes("decode"), stats.total("decode").misses * cache.expert_bytes, cache
+
+    host_bytes, host_missed, _ = decode(planner="host")
+    assert host_bytes == host_missed > 0  # fetch: every miss is one copy (load or bypass)
+    dev_bytes, dev_missed, cache = decode(planner="device")
+    assert cache.planner.step.blocks == 2 and cache.pool.staging == 4  # a block of top-k rows per layer
+    assert dev_missed > 0 and dev_bytes <= 1.05 * dev_missed
+    assert cache.planner.lagged.host_loads == 0
+    shared, shared_missed, cache = decode(planner="device", staging_blocks=1, staging=2)
+    assert cache.planner.lagged.host_loads > 0 and shared > 1.05 * shared_missed  # the old default

@@ -37,6 +37,10 @@ CPU_KERNELS = ("auto", "ggml", "torch")
 # layer's step at once; 'device' looks the experts up on the device, stages its misses itself
 # and runs the policy on the host ``lag`` forwards behind (runtime/devicestep.py, lagged.py).
 PLANNERS = ("host", "device")
+# Decode in captured graphs (runtime/graphs.py): 'on' captures (CUDA graphs; on the CPU the step
+# is compiled whole), 'off' decodes eagerly, 'auto' captures on CUDA only. Capture needs
+# planner='device'; where it cannot run, decode is eager and summary()['graphs'] says why.
+GRAPH_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ class CacheConfig:
     #                                     (None: measured on this machine at load)
     planner: str = "host"               # PLANNERS: who plans decode steps
     lag: int = 1                        # planner='device': forwards the policy's decisions run behind
-    staging_blocks: int = 1             # planner='device': staging rows in blocks, layer l -> block l % n
+    staging_blocks: int | None = None   # planner='device': staging rows in blocks, layer l -> block l % n
+    #                                     (None: one block per layer, staging default layers x top-k)
+    graphs: str = "auto"                # GRAPH_MODES: decode replayed from a captured graph
     # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
     eviction_params: InitVar[dict | None] = None
     admission_params: InitVar[dict | None] = None
@@ -95,9 +101,11 @@ class CacheConfig:
         self._check_choice("planner", self.planner, PLANNERS)
         if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
             raise ValueError(f"lag must be a whole number of forwards >= 1 (planner='device'), got {self.lag!r}")
-        if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int) or self.staging_blocks < 1:
+        self._check_choice("graphs", self.graphs, GRAPH_MODES)
+        if self.staging_blocks is not None and (isinstance(self.staging_blocks, bool)
+                                                or not isinstance(self.staging_blocks, int) or self.staging_blocks < 1):
             raise ValueError(f"staging_blocks must be a positive whole number, got {self.staging_blocks!r}")
-        if self.staging is not None and self.staging_blocks > self.staging:
+        if self.staging is not None and self.staging_blocks is not None and self.staging_blocks > self.staging:
             raise ValueError(f"staging_blocks={self.staging_blocks} exceeds staging={self.staging}: each block "
                              "needs a row (give staging = blocks x batch x top-k)")
         if self.device is not None and not isinstance(self.device, str):

@@ -8,7 +8,7 @@ POLICY_HELP = ("EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]], e.g. default
 
 def add_cache_options(p) -> None:
     from ..config import (BASELINES, CPU_KERNELS, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, PARTITIONS,
-                          PLANNERS, SLOT_FORMATS)
+                          PLANNERS, SLOT_FORMATS, GRAPH_MODES)
 
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="experts the device pool caches (all layers)")
@@ -43,9 +43,14 @@ def add_cache_options(p) -> None:
                         "(lookup and staging on the device, the policy --lag forwards behind; "
                         "docs/runtime.md)")
     p.add_argument("--lag", type=int, default=1, help="--planner device: forwards the policy runs behind")
-    p.add_argument("--staging-blocks", type=int, default=1,
+    p.add_argument("--staging-blocks", type=int, default=None,
                    help="--planner device: staging rows in this many blocks, layer l staging into block "
-                        "l %% B, so admitted misses are loaded from their staging row (give --staging B*batch*top-k)")
+                        "l %% B (default: one block per layer of --staging rows each, so admitted misses "
+                        "are loaded from their staging row; give --staging B*batch*top-k with this flag)")
+    p.add_argument("--graphs", default="auto", choices=GRAPH_MODES,
+                   help="decode replayed from a captured graph, one replay a token (needs --planner "
+                        "device): on, off, or auto (on with CUDA). On the CPU 'on' compiles the step "
+                        "whole (torch.compile fullgraph); docs/runtime.md")
 
 
 def cache_config(args):
@@ -61,7 +66,7 @@ def cache_config(args):
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
                        host_memory=args.host_memory, cpu_kernel=args.cpu_kernel, hardware=args.hardware,
                        planner=args.planner, lag=args.lag,
-                       staging_blocks=args.staging_blocks)
+                       staging_blocks=args.staging_blocks, graphs=args.graphs)
 
 
 def add_sampling_options(p, temperature: float) -> None:

@@ -78,6 +78,8 @@ def _flat_bytes(data: torch.Tensor, fmt: QuantFormat, shape: tuple[int, ...]) ->
                          f"{data.numel()}: pass exactly one tensor's bytes")
     flat = data.reshape(-1)
     # views as fp16/fp32 need an aligned start; a slice of a mapped file may not have one
-    if flat.storage_offset() % 4:
+    # (traced code skips the check: dynamo cannot read an offset, and the device step traces
+    # this on bytes it gathered into a fresh buffer, whose start is aligned)
+    if not torch.compiler.is_compiling() and flat.storage_offset() % 4:
         flat = flat.clone()
     return flat

@@ -14,8 +14,9 @@ host-side ``expertcache.lagged.LaggedTable``:
 - on the device path each MoE layer's step is ``DeviceStep.run`` with ``slots_kernel``: no
   host read, no data-dependent shape, so the block compiles with ``fullgraph=True``.
 
-Only plain slots (float experts) and miss path ``fetch`` take the device path; other
-configurations keep the host planner (``planner_reason`` says why).
+Plain slots (float experts) and dequantized slots (a GGUF's experts cross as their bytes and
+are dequantized on the device as they are staged or loaded) with miss path ``fetch`` take the
+device path; other configurations keep the host planner (``planner_reason`` says why).
 """
 
 from __future__ import annotations
@@ -30,19 +31,32 @@ from .devicestep import DeviceStep, LaggedDriver
 from .fused import Layout, fused_experts, layout_for
 
 
-def device_planner_refusal(cache) -> str | None:
-    """Why ``cache`` cannot run the device planner, or None when it can."""
+def settings_refusal(cache) -> str | None:
+    """Why ``cache``'s settings rule the device planner out (before the pool exists), or None."""
     if cache.host_resident:
         return "every expert is computed on the host's bytes (resident, ggml): no slots to plan"
-    if cache.slot_format != "plain":
-        return f"slot format {cache.slot_format!r}: the device step stages plain (float) experts only"
+    if cache.slot_format == "quantized":
+        return ("slot format 'quantized': the device step stages plain or dequantized slots (give "
+                "slot_format='dequantized'; quantized slots wait for the fused kernel, issue 31)")
     if cache.miss != "fetch":
         return f"miss path {cache.miss!r} computes misses on the host; the device step fetches them"
-    if cache.pool.staging == 0:
-        return "the pool has no staging rows (every expert is resident: nothing to plan)"
-    if cache.pool.staging < cache.config.staging_blocks:
-        return (f"staging_blocks={cache.config.staging_blocks} needs as many staging rows; the pool "
-                f"has {cache.pool.staging}")
+    return None
+
+
+def device_planner_refusal(cache) -> str | None:
+    """Why ``cache`` cannot run the device planner, or None when it can."""
+    refusal = settings_refusal(cache)
+    if refusal is not None:
+        return refusal
+    pool = cache.pool
+    if pool.cuda and not all(t.is_pinned() for h in cache.hosts for t in h.tensors.values()):
+        return (f"host experts in {cache.hosts[0].mode!r} memory are not pinned; the device step reads "
+                "pinned memory in place (give host_memory='copy')")
+    if pool.staging == 0 and pool.slots != cache.num_layers * cache.num_experts:
+        return "the pool has no staging rows and not every expert has a slot"
+    if pool.staging and pool.staging < cache.staging_blocks:
+        return (f"staging_blocks={cache.staging_blocks} needs as many staging rows; the pool "
+                f"has {pool.staging}")
     return None
 
 
@@ -52,8 +66,10 @@ class DevicePlanner(LaggedDriver):
     def __init__(self, cache, lag: int, blocks: int = 1, max_tokens: int = 256) -> None:
         pool = cache.pool
         self.cache = cache
+        decoders = [h.codec.decode for h in cache.hosts] if cache.slot_format == "dequantized" else None
         step = DeviceStep(pool.tensors, [h.tensors for h in cache.hosts], pool.slots, top_k=cache.top_k,
-                          max_tokens=max_tokens, blocks=blocks, resident=cache.table.resident())
+                          max_tokens=max_tokens, blocks=blocks, resident=cache.table.resident(),
+                          decoders=decoders)
         super().__init__(step, LaggedTable(cache.table, lag, pool.staging, blocks))
         self.active = False  # whether the current forward runs on the device
         self.transposed = cache.hosts[0].transposed
@@ -87,7 +103,9 @@ class DevicePlanner(LaggedDriver):
         loads that found no staging row), in the masked-copy accounting (module doc of
         runtime/devicestep.py: the CPU fallback copies fixed-width rows)."""
         self.observe()
-        return [[n * expert_bytes for n in row] for row in self.copies]
+        # each layer's own stored bytes (a GGUF's layers may store different types: Q4_K_M)
+        sizes = [getattr(h, "expert_bytes", expert_bytes) for h in self.cache.hosts]
+        return [[n * size for n, size in zip(row, sizes)] for row in self.copies]
 
     def reset_stats(self) -> None:
         self.observe()

@@ -71,22 +71,31 @@ class DeviceStep:
 
     def __init__(self, pool: dict[str, torch.Tensor], hosts: Sequence[dict[str, torch.Tensor]],
                  slots: int, *, top_k: int, max_tokens: int = 256, blocks: int = 1,
-                 resident: dict[int, int] | None = None) -> None:
-        if not pool or any(set(h) != set(pool) for h in hosts):
+                 resident: dict[int, int] | None = None,
+                 decoders: Sequence[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] | None = None
+                 ) -> None:
+        # decoders (one per layer): the host stores hold stored bytes by part (a GGUF's
+        # quantized experts) and decoders[l]({part: [n, bytes]}) -> {weight: [n, ...]} gives
+        # the pool's rows (dequantized slots): a staged or loaded row crosses as bytes
+        self.decoders = list(decoders) if decoders is not None else None
+        if not pool or (self.decoders is None and any(set(h) != set(pool) for h in hosts)):
             raise ValueError(f"the pool's weights {sorted(pool)} and every layer's host store must "
                              "have the same names")
         size = {t.shape[0] for t in pool.values()}
         if len(size) != 1:
             raise ValueError(f"pool tensors differ in rows: {sorted(size)}")
         self.size = size.pop()  # S + R
-        if not 0 <= slots < self.size:
-            raise ValueError(f"slots={slots} leaves no staging row in a pool of {self.size} rows")
-        self.pool, self.slots, self.staging = pool, slots, self.size - slots  # S, R
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= self.staging:
-            raise ValueError(f"staging blocks must be a whole number in 1..{self.staging}, got {blocks!r}")
-        self.blocks, self.width = blocks, self.staging // blocks  # layer l stages into block l % blocks
         self.num_layers, self.top_k = len(hosts), top_k
         self.num_experts = next(iter(hosts[0].values())).shape[0]  # E
+        # no staging row: allowed only when every expert of every layer has a slot (resident)
+        complete = slots == self.num_layers * self.num_experts == len(resident or {}) == self.size
+        if not (0 <= slots < self.size or complete):
+            raise ValueError(f"slots={slots} leaves no staging row in a pool of {self.size} rows")
+        self.pool, self.slots, self.staging = pool, slots, self.size - slots  # S, R
+        self.complete = complete  # every expert resident: a step never stages
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= max(self.staging, 1):
+            raise ValueError(f"staging blocks must be a whole number in 1..{self.staging}, got {blocks!r}")
+        self.blocks, self.width = blocks, self.staging // blocks  # layer l stages into block l % blocks
         self.device = next(iter(pool.values())).device
         self.cuda = self.device.type == "cuda"
         # L layers, E experts: slot of each expert, -1 when not resident
@@ -109,7 +118,8 @@ class DeviceStep:
     def fits(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens runs here: its misses fit the staging rows and
         its routing fits the record buffer (shapes only, no tensor is read)."""
-        return min(tokens * self.top_k, self.num_experts) <= self.width and tokens <= self.max_tokens
+        fit = self.complete or min(tokens * self.top_k, self.num_experts) <= self.width
+        return fit and tokens <= self.max_tokens
 
     def staged_rows(self, tokens: int) -> int:
         """Staging rows one step of ``tokens`` tokens writes: ``min(T*K, E, R // blocks)``."""
@@ -131,14 +141,34 @@ class DeviceStep:
         """Copy the staged experts' rows (``staged`` [W] from ``remap``) into the layer's staging
         block, rows first_staging_row(layer) + 0..W-1."""
         W, first = staged.shape[0], self.first_staging_row(layer)
+        if self.decoders is not None:  # bytes across, dequantized on the device into the rows
+            for kind, rows in self.fetch(layer, staged).items():
+                self.pool[kind].narrow(0, first, W).copy_(rows)
+            return
         for kind, dst in self.pool.items():
             gather_rows(self.sources[layer][kind], staged, dst.narrow(0, first, W))
+
+    def fetch(self, layer: int, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The pool's weights [W, ...] of ``layer``'s experts ``rows`` [W] (E: sentinel, a row of
+        no use) from its host store; with decoders: the bytes gathered, then dequantized."""
+        if self.decoders is None:
+            out = {}
+            for kind, dst in self.pool.items():
+                out[kind] = dst.new_empty((rows.shape[0], *dst.shape[1:]))
+                gather_rows(self.sources[layer][kind], rows, out[kind])
+            return out
+        raw = {}
+        for part, src in self.sources[layer].items():   # [W, bytes]: zeros for sentinel rows
+            raw[part] = src.new_zeros((rows.shape[0], *src.shape[1:]))
+            gather_rows(src, rows, raw[part])
+        return {kind: w.to(self.pool[kind].dtype) for kind, w in self.decoders[layer](raw).items()}
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Non-blocking copy of the step's ids [T, K] into the pinned routing buffer."""
         T = topk_ids.shape[0]
         self.routed[layer, :T].copy_(topk_ids, non_blocking=self.cuda)
-        if self.cuda and layer == self.num_layers - 1:
+        if self.cuda and layer == self.num_layers - 1 and not torch.cuda.is_current_stream_capturing():
+            # inside a CUDA graph capture the replay's caller records the event (runtime/graphs.py)
             self.routed_event = torch.cuda.current_stream(self.device).record_event()
 
     def run(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -178,8 +208,8 @@ class DeviceStep:
                 dst.index_copy_(0, dst_rows, dst.index_select(0, src_rows))
         for layer, pairs in hosted.items():
             dst_rows, experts = (self._index(c) for c in zip(*pairs))
-            for kind, dst in self.pool.items():
-                dst.index_copy_(0, dst_rows, self.sources[layer][kind].index_select(0, experts))
+            for kind, rows in self.fetch(layer, experts).items():
+                self.pool[kind].index_copy_(0, dst_rows, rows)
 
     def _index(self, values) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64).to(self.device, non_blocking=self.cuda)
@@ -210,9 +240,10 @@ class DeviceStep:
         buffers["expert"].fill_(self.num_experts)
         buffers["slot"].fill_(-1)
         buffers["source"].fill_(-1)
-        for i, (layer, expert, slot, source) in enumerate(updates):
-            buffers["layer"][i], buffers["expert"][i] = layer, expert
-            buffers["slot"][i], buffers["source"][i] = slot, source
+        if updates:  # one write per column (the buffers are host memory)
+            cols = torch.tensor([tuple(u) for u in updates], dtype=torch.int64).T  # [4, U]
+            for name, col in zip(("layer", "expert", "slot", "source"), cols):
+                buffers[name][:len(updates)] = col
 
     def apply_fixed(self, buffers: dict[str, torch.Tensor]) -> None:
         """Apply a fixed-size update list on the device: no host read, fixed shapes.
@@ -221,7 +252,10 @@ class DeviceStep:
         copies one row into its slot: from the staging row when ``source >= 0``, else from the
         host store (CPU: index copy; CUDA: through the pinned store's device view). Entries
         without a slot copy into the spare staging row S+R-1, which no step then reads before it
-        is staged again. Use between forwards, before the first layer's step."""
+        is staged again. Use between forwards, before the first layer's step. Every entry copies
+        a row, used or not: a list sized for the worst forward (2 x L x B x K at lag 1) copies
+        that many rows each time, which is why replayed decode (runtime/graphs.py) applies the
+        actual updates with ``apply`` between replays instead."""
         # U updates; E experts; S slots; R staging rows
         dev = {k: v.to(self.device, non_blocking=self.cuda) for k, v in buffers.items()}
         E, spare = self.num_experts, self.size - 1
@@ -232,15 +266,14 @@ class DeviceStep:
         dst_row = torch.where(slot >= 0, slot, spare)                        # [U]
         from_staging = source >= 0                                          # [U]
         staging_row = torch.where(from_staging, self.slots + source, spare)  # [U]
+        rows = {kind: dst.index_select(0, staging_row) for kind, dst in self.pool.items()}  # [U, ...]
+        for layer_id in range(self.num_layers):  # per layer: its host store; shapes fixed
+            mine = (layer == layer_id) & ~from_staging & (slot >= 0)
+            host_rows = torch.where(mine, expert.clamp(max=E - 1), E)       # E: sentinel
+            for kind, fetched in self.fetch(layer_id, host_rows).items():
+                rows[kind] = torch.where(mine.view(-1, *[1] * (fetched.ndim - 1)), fetched, rows[kind])
         for kind, dst in self.pool.items():
-            on_device = dst.index_select(0, staging_row)                    # [U, ...]
-            for layer_id in range(self.num_layers):  # per layer: its host store; shapes fixed
-                mine = (layer == layer_id) & ~from_staging & (slot >= 0)
-                host_rows = torch.where(mine, expert.clamp(max=E - 1), E)   # E: sentinel
-                fetched = dst.new_empty(on_device.shape)
-                gather_rows(self.sources[layer_id][kind], host_rows, fetched)
-                on_device = torch.where(mine.view(-1, *[1] * (dst.ndim - 1)), fetched, on_device)
-            dst.index_copy_(0, dst_row, on_device)
+            dst.index_copy_(0, dst_row, rows[kind])
 
 
 class LaggedDriver:

@@ -17,6 +17,7 @@ from ..stats import DECODE, PREFILL
 from .cpudense import report_of
 from .cpukernel import GgmlExperts
 from .device import free_memory
+from .graphs import DecodeGraphs
 from .host import HostExperts
 from .slots import SlotPool
 from .stats import LiveStats
@@ -48,9 +49,8 @@ class ExpertCache:
         self.miss, self.hardware = run.miss, hardware or PRESETS[DEFAULT]
         self.cost = self._expert_cost(hosts[0])
         # what the pool's slots, staging and scratch take: the same object plan sizes with
-        self.sizing = PoolSizing(self.cost, self.slot_format, top_k,
-                                 0 if run.baseline == "resident" else staging_slots(run.miss, run.staging, top_k),
-                                 self.direct)
+        staging, self.staging_blocks = self._staging(config, run)
+        self.sizing = PoolSizing(self.cost, self.slot_format, top_k, staging, self.direct)
         slots, pool_slots, staging = self._size(run)
         self.table = SlotTable(self.num_layers, self.num_experts, slots, eviction=run.eviction,
                                admission=run.admission, partition=run.partition, top_k=top_k)
@@ -65,6 +65,27 @@ class ExpertCache:
         elif counts is not None:
             self._place_imatrix(counts, config.imatrix_mode, run)
         self.planner, self.planner_reason = self._planner(config)  # after placement: the map starts full
+        self.graphs = DecodeGraphs(self)  # decode replayed from captured graphs (runtime/graphs.py)
+
+    def _staging(self, config: CacheConfig, run: CacheConfig) -> tuple[int, int]:
+        """(staging rows of the pool, staging blocks of the device planner).
+
+        The device planner's default (``staging_blocks=None``) is a block per layer, each of
+        ``staging`` rows (default top-k): a layer's misses then survive until the policy's
+        decisions are applied, so an admitted miss crosses once, as on the host planner
+        (issue 29: one shared block made it cross twice). Without admissions (copy-every-pass)
+        one shared block does."""
+        if run.baseline == "resident":
+            return 0, 1
+        rows = staging_slots(run.miss, run.staging, self.top_k)
+        if config.staging_blocks is not None:
+            return rows, config.staging_blocks
+        if config.planner != "device" or run.admission.name == "never" or not rows:
+            return rows, 1
+        from .devicepath import settings_refusal
+        if settings_refusal(self) is not None:  # the host planner runs: no per-layer rows
+            return rows, 1
+        return rows * self.num_layers, self.num_layers
 
     def _planner(self, config: CacheConfig):
         """(the ``DevicePlanner`` or None, why this planner): runtime/devicepath.py."""
@@ -75,7 +96,7 @@ class ExpertCache:
         if refusal is not None:
             return None, f"planner='device' refused, host planner used: {refusal}"
         why = f"planner='device': decode steps on the device, the policy {config.lag} forward(s) behind"
-        return DevicePlanner(self, config.lag, config.staging_blocks), why
+        return DevicePlanner(self, config.lag, self.staging_blocks), why
 
     def _cpu_kernel(self, choice: str) -> tuple[str, str]:
         if self.codec is None:
@@ -243,6 +264,7 @@ class ExpertCache:
                 "host_memory": mode, "host_memory_reason": reason,
                 "hardware": self.hardware.name, "hardware_source": self.hardware.source,
                 "planner": "host" if self.planner is None else "device", "planner_reason": self.planner_reason,
+                "graphs": self.graphs.summary(),
                 "device": str(self.device), "config": self.config.to_dict()}
 
     def __repr__(self) -> str:

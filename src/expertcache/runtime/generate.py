@@ -100,18 +100,37 @@ def run_generation(model, tokenizer, ids: list[int], max_new_tokens: int, sampli
     before = cache.stats() if cache is not None else None
     clock = ForwardClock.of(model)
     clock.start()
-    sampling.seed_now()
+    graphs = replayed(model, 1, sampling)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens,
-                             streamer=sink, stopping_criteria=StoppingCriteriaList([_Stop()]),
-                             pad_token_id=tokenizer.pad_token_id, **sampling.generate_kwargs())
-    new = out[0, len(ids):].tolist()
+        if graphs is not None:  # decode replayed from a captured graph (runtime/graphs.py)
+            out = graphs.generate(model, torch.tensor([ids]), max_new_tokens, sampling,
+                                  on_tokens=lambda tokens: sink.add(tokens),
+                                  stop=lambda: stream.stopped or cancelled())
+            new = out[0].tolist()
+        else:
+            sampling.seed_now()
+            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens,
+                                 streamer=sink, stopping_criteria=StoppingCriteriaList([_Stop()]),
+                                 pad_token_id=tokenizer.pad_token_id, **sampling.generate_kwargs())
+            new = out[0, len(ids):].tolist()
     tail = stream.finish()
     if tail and on_text:
         on_text(tail)
     reason = _finish_reason(model, new, stream.stopped, cancelled(), max_new_tokens)
     summary = summarize(clock, len(new), cache, since=before)
     return Generation(stream.text, new, len(ids), reason, summary)
+
+
+def replayed(model, batch: int, sampling):
+    """The model's ``DecodeGraphs`` when this generation's decode replays a captured graph, else
+    None (eager ``model.generate``; ``summary()['graphs']['reason']`` then says why)."""
+    cache = getattr(model, "expertcache", None)
+    graphs = getattr(cache, "graphs", None)
+    if graphs is None:
+        return None
+    why = graphs.refusal(model, batch, sampling)
+    graphs.active, graphs.reason = why is None, why  # this generation's verdict
+    return graphs if why is None else None
 
 
 class _Sink:
@@ -124,7 +143,10 @@ class _Sink:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        delta = self.stream.add(value.reshape(-1).tolist())
+        self.add(value.reshape(-1).tolist())
+
+    def add(self, tokens: list[int]) -> None:
+        delta = self.stream.add(tokens)
         if delta and self.on_text:
             self.on_text(delta)
 
@@ -210,7 +232,17 @@ def format_summary(summary: dict) -> str:
                                f"per load{', ' + '/'.join(c['quant']) + ' in ' + c['slot_format'] + ' slots' if c['quant'] else ''})"),
                  ("host experts", f"{c['host_memory']}: {c['host_memory_reason']}"),
                  ("policy", policy_label(c["config"]))]
+        if c.get("graphs"):
+            rows.append(("graphs", graphs_label(c["graphs"])))
     return "\n".join(f"{label:<14}{value}" for label, value in rows)
+
+
+def graphs_label(graphs: dict) -> str:
+    """'on (torch.compile...): 1 capture, 31 replays, 0 breaks, batch sizes 1' or 'off: why'."""
+    if graphs["active"]:
+        return (f"{graphs['mode']} ({graphs['how']}): {graphs['replays']} replays, {graphs['breaks']} breaks, "
+                f"batch sizes {', '.join(map(str, graphs['captured']))}")
+    return f"{graphs['mode']}, eager decode: {graphs['reason']}"
 
 
 def policy_label(config: dict) -> str:
