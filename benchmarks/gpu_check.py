@@ -49,21 +49,15 @@ REAL_ROWS = [
     ("50% fetch, device planner", dict(fraction=0.5, miss="fetch", planner="device")),
     ("copy-every-pass", dict(baseline="copy-every-pass")),
     ("100% fetch, device planner", dict(fraction=1.0, miss="fetch", planner="device")),
+    ("resident, B=16", dict(baseline="resident", batch=16)),
+    ("25% fetch, B=16", dict(fraction=0.25, miss="fetch", batch=16)),
+    ("25% fetch, device planner, B=16", dict(fraction=0.25, miss="fetch", planner="device", batch=16)),
     ("cpu (--cpu-moe)", dict(baseline="cpu")),
-    ("25% cpu", dict(fraction=0.25, miss="cpu")),
-    ("25% auto", dict(fraction=0.25, miss="auto")),
 ]
-BATCHED_ROWS = [(f"{label}, B={b}", dict(settings, batch=b)) for b in (4, 16) for label, settings in [
-    ("resident", dict(baseline="resident")),
-    ("25% fetch", dict(fraction=0.25, miss="fetch")),
-    ("25% fetch, device planner", dict(fraction=0.25, miss="fetch", planner="device")),
-]]
 FULL_ROWS = [
     ("resident", dict(baseline="resident")),
     ("50% fetch", dict(fraction=0.5, miss="fetch")),
     ("50% fetch, device planner", dict(fraction=0.5, miss="fetch", planner="device")),
-    ("25% fetch", dict(fraction=0.25, miss="fetch")),
-    ("25% fetch, device planner", dict(fraction=0.25, miss="fetch", planner="device")),
     ("copy-every-pass", dict(baseline="copy-every-pass")),
 ]
 
@@ -158,7 +152,7 @@ def decode_step(args, name: str, size: dict, rows_spec: list, batches: tuple[int
 
 
 def real(args) -> int:
-    return decode_step(args, "real", TOY if args.rehearse else REAL, REAL_ROWS + BATCHED_ROWS, (1, 4, 16), True)
+    return decode_step(args, "real", TOY if args.rehearse else REAL, REAL_ROWS, (1, 16), True)
 
 
 def full(args) -> int:

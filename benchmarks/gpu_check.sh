@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one command that fits a 15-minute GPU lease (its steps' limits sum to 395 s).
+# The GPU check: one command that fits a 15-minute GPU lease (its default steps' limits sum to 400 s).
 #
 # On the GPU machine (an H200 image: python3 3.12, torch 2.11 + CUDA 13, transformers 5.17,
 # accelerate, numba, triton, pytest-xdist, pytest-timeout; no gguf, no libggml-python). Prepare here, once:
@@ -13,21 +13,25 @@
 # `--steps a,b` runs only those steps (e.g. a second call for the figures a lease has time for).
 #
 # Steps, most valuable first, each under its own timeout; output streams as it comes and every
-# step saves what it measured row by row; a row or test that fails is printed and the rest run:
+# step saves what it measured row by row; a row or test that fails is printed and the rest run.
+# The default steps (limits sum to 400 s):
 #   bandwidth  10 s  device copy and pinned H2D bandwidth: every decode row's bound comes from them
 #   tests      80 s  the quick CUDA tests (pytest -m "gpu and not slow", 8 workers, 50 s a test; each
 #                    test's outcome printed as it ends: 60 s cut the summary off on the H200)
-#   real      130 s  12 bf16 layers at Qwen3-30B-A3B's expert size, routed by the carried trace:
+#   graphs     90 s  decode with CUDA graphs on and off (gpu_graphs.py): resident, copy-every-pass,
+#                    25 / 50 / 100% slots, 1 and 16 sequences, 12 layers, against each row's bound
+#   real       95 s  12 bf16 layers at Qwen3-30B-A3B's expert size, routed by the carried trace:
 #                    plain transformers, resident, 25% / 50% / 100% slots with both planners,
-#                    copy-every-pass, cpu, the accelerate-offload peer, batched rows (4 and 16
-#                    sequences); tok/s, bound and fraction, exactness, H2D bytes, syncs, host time
-#   full       90 s  48 layers x 128 experts (Qwen3-30B-A3B's real size, ~58 GB of bf16 experts
-#                    pinned on the host): resident, 50% / 25% with both planners, copy-every-pass
-#   quant      45 s  Q4_K quantized slots against bf16 slots on one memory budget (bench_quantized.py)
-#   dequant    15 s  what dequantizing Q4_K slots per use costs next to the step's matmuls
-#   diag       15 s  GPT-OSS MXFP4 logits: CPU and CUDA references and ours, every pair's difference
+#                    copy-every-pass, cpu, the accelerate-offload peer, 16 sequences; tok/s, bound
+#                    and fraction, teacher-forced exactness, H2D bytes, syncs, host time per step
+#   full       60 s  48 layers x 128 experts (Qwen3-30B-A3B's real size, ~58 GB of bf16 experts
+#                    pinned on the host): resident, 50% with both planners, copy-every-pass
+#   fused      45 s  the fused Triton kernel (bench_fused.py): time at 384 / 1536 / 6144 pool rows,
+#                    bytes against the bound, bf16 against Q4_K slots at one budget, the old path
+#   diag       10 s  GPT-OSS MXFP4 logits: CPU and CUDA references and ours, module by module
 #   summary    10 s  one table, gpu_check.json, the plots
-#   tests-slow 90 s  only with --steps: the GPU tests marked slow (the whole bench on CUDA)
+# Only with --steps: graphs-full 90 s (graphs at 48 layers, 50% slots), quant 45 s (bench_quantized.py),
+# dequant 15 s (Q4_K dequantize-per-use cost), tests-slow 90 s (the GPU tests marked slow).
 # Numba compiles once per run into the work folder (NUMBA_CACHE_DIR), shared by the steps.
 #
 # Output: $OUT when set (the device tool's folder that comes back: at most 8 files), else
@@ -35,7 +39,7 @@
 set -u
 cd "$(dirname "$0")/.."
 REHEARSE=
-STEPS=bandwidth,tests,real,full,quant,dequant,diag
+STEPS=bandwidth,tests,graphs,real,full,fused,diag
 while [ $# -gt 0 ]; do
   case "$1" in
     --rehearse) REHEARSE=--rehearse ;;
@@ -97,12 +101,20 @@ PYTEST=("$PY" -m pytest -v -rfEs -p no:cacheprovider --continue-on-collection-er
 "$PY" -c "import xdist" 2>/dev/null && [ -z "$REHEARSE" ] && PYTEST+=(-n 8)
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 50)
 GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py tests/test_dequant_gpu.py tests/test_gguf_gpu.py
-           tests/test_hf_quant_gpu.py tests/test_devicestep.py)
+           tests/test_hf_quant_gpu.py tests/test_devicestep.py tests/test_fused_gpu.py)
 
 step bandwidth 10 "$PY" benchmarks/gpu_check.py bandwidth --work "$WORK" $REHEARSE
 step tests 80 "${PYTEST[@]}" -m "gpu and not slow" "${GPU_TESTS[@]}"
-step real 130 "$PY" benchmarks/gpu_check.py real --work "$WORK" $REHEARSE
-step full 90 "$PY" benchmarks/gpu_check.py full --work "$WORK" $REHEARSE
+if [ -n "$REHEARSE" ]; then GRAPHS=(--rehearse); else GRAPHS=(--layers 12 --batches 1,16); fi
+step graphs 90 "$PY" benchmarks/gpu_graphs.py "${GRAPHS[@]}" --bandwidth "$WORK/bandwidth.json" \
+  --json "$WORK/extra_graphs.json"
+step real 95 "$PY" benchmarks/gpu_check.py real --work "$WORK" $REHEARSE
+if [ -n "$REHEARSE" ]; then GRAPHS=(--rehearse --rows 50); else GRAPHS=(--layers 48 --rows 50 --batches 1); fi
+step graphs-full 90 "$PY" benchmarks/gpu_graphs.py "${GRAPHS[@]}" --bandwidth "$WORK/bandwidth.json" \
+  --json "$WORK/extra_graphs_full.json"
+step full 60 "$PY" benchmarks/gpu_check.py full --work "$WORK" $REHEARSE
+if [ -n "$REHEARSE" ]; then FUSED=(--device cpu); else FUSED=(); fi
+step fused 45 "$PY" benchmarks/bench_fused.py "${FUSED[@]}" --json "$WORK/extra_fused.json"
 if [ -n "$REHEARSE" ]; then QSIZE=(--hidden 256 --expert-ff 256 --layers 2 --tokens 20 --repeats 1 --device cpu)
 else QSIZE=(--layers 2 --tokens 40 --repeats 1 --device cuda --sim-tokens 500); fi
 TRACE=.gpu-trace/qwen3-30b-a3b-code.npz
@@ -110,7 +122,7 @@ TRACE=.gpu-trace/qwen3-30b-a3b-code.npz
 step quant 45 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$WORK/bench_quantized.json" \
   --plot "$RES/bench_quantized.png"
 step dequant 15 "$PY" benchmarks/gpu_check.py dequant --work "$WORK" $REHEARSE
-step diag 15 "$PY" benchmarks/gpu_check.py diag --work "$WORK" $REHEARSE
+step diag 10 "$PY" benchmarks/gpu_check.py diag --work "$WORK" $REHEARSE
 step tests-slow 90 "${PYTEST[@]}" -m "gpu and slow" "${GPU_TESTS[@]}"
 timeout 10 "$PY" benchmarks/gpu_check.py summary --work "$WORK" --out "$RES"
 rm -rf "$WORK"

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import REAL, TOY, build, routing  # noqa: E402
+from gpu_check import REAL, TOY  # noqa: E402
+from gpu_decode import build, routing  # noqa: E402
 
 from expertcache import offload  # noqa: E402
 from expertcache.runtime.clock import ForwardClock  # noqa: E402
@@ -139,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--rows", default="resident,copy-every-pass,25,50,100")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--bandwidth", metavar="JSON", help="bandwidths measured by gpu_check.py bandwidth "
+                    "(the same bound as the check's other rows), else measured here")
     args = ap.parse_args(argv)
     size = dict(TOY if args.rehearse else REAL)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.rehearse else "cpu")
@@ -149,9 +152,12 @@ def main(argv=None) -> int:
     if args.rehearse:  # each batch size of each row compiles once: keep the CPU's share small
         batches = [1] if args.batches == "1,16" else [min(b, 4) for b in batches]
     bw = bandwidths(device)
+    if args.bandwidth and Path(args.bandwidth).exists():
+        measured = json.loads(Path(args.bandwidth).read_text())
+        bw = {"device_read": measured["device_gbs"] * 1e9, "h2d": measured["h2d_gbs"] * 1e9, "measured": True}
     say(f"gpu_graphs on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: "
         f"{size['layers']} layers, device read {bw['device_read'] / 1e9:.0f} GB/s, H2D {bw['h2d'] / 1e9:.1f} GB/s")
-    trace, source = routing(size["layers"], 4096, 128, 8)
+    trace, source = routing(size["layers"], 4096)
     say(f"routing: {source}")
     force = PositionRouting(trace, device)
     results, refs = [], {}
