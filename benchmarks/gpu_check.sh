@@ -16,7 +16,7 @@
 # step saves what it measured row by row; a row or test that fails is printed and the rest run.
 # The default steps (limits sum to 400 s):
 #   bandwidth  10 s  device copy and pinned H2D bandwidth: every decode row's bound comes from them
-#   tests      80 s  the quick CUDA tests (pytest -m "gpu and not slow", 8 workers, 50 s a test; each
+#   tests      75 s  the quick CUDA tests (pytest -m "gpu and not slow", 8 workers, 50 s a test; each
 #                    test's outcome printed as it ends: 60 s cut the summary off on the H200)
 #   graphs     90 s  decode with CUDA graphs on and off (gpu_graphs.py): resident, copy-every-pass,
 #                    25 / 50 / 100% slots, 1 and 16 sequences, 12 layers, against each row's bound
@@ -28,7 +28,7 @@
 #                    pinned on the host): resident, 50% with both planners, copy-every-pass
 #   fused      45 s  the fused Triton kernel (bench_fused.py): time at 384 / 1536 / 6144 pool rows,
 #                    bytes against the bound, bf16 against Q4_K slots at one budget, the old path
-#   diag       10 s  GPT-OSS MXFP4 logits: CPU and CUDA references and ours, module by module
+#   diag       15 s  GPT-OSS MXFP4 logits: CPU and CUDA references and ours, module by module
 #   summary    10 s  one table, gpu_check.json, the plots
 # Only with --steps: graphs-full 90 s (graphs at 48 layers, 50% slots), quant 45 s (bench_quantized.py),
 # dequant 15 s (Q4_K dequantize-per-use cost), tests-slow 90 s (the GPU tests marked slow).
@@ -104,7 +104,7 @@ GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py tests/test_dequant_gpu.py t
            tests/test_hf_quant_gpu.py tests/test_devicestep.py tests/test_fused_gpu.py)
 
 step bandwidth 10 "$PY" benchmarks/gpu_check.py bandwidth --work "$WORK" $REHEARSE
-step tests 80 "${PYTEST[@]}" -m "gpu and not slow" "${GPU_TESTS[@]}"
+step tests 75 "${PYTEST[@]}" -m "gpu and not slow" "${GPU_TESTS[@]}"
 if [ -n "$REHEARSE" ]; then GRAPHS=(--rehearse); else GRAPHS=(--layers 12 --batches 1,16); fi
 step graphs 90 "$PY" benchmarks/gpu_graphs.py "${GRAPHS[@]}" --bandwidth "$WORK/bandwidth.json" \
   --json "$WORK/extra_graphs.json"
@@ -122,7 +122,7 @@ TRACE=.gpu-trace/qwen3-30b-a3b-code.npz
 step quant 45 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$WORK/bench_quantized.json" \
   --plot "$RES/bench_quantized.png"
 step dequant 15 "$PY" benchmarks/gpu_check.py dequant --work "$WORK" $REHEARSE
-step diag 10 "$PY" benchmarks/gpu_check.py diag --work "$WORK" $REHEARSE
+step diag 15 "$PY" benchmarks/gpu_check.py diag --work "$WORK" $REHEARSE
 step tests-slow 90 "${PYTEST[@]}" -m "gpu and slow" "${GPU_TESTS[@]}"
 timeout 10 "$PY" benchmarks/gpu_check.py summary --work "$WORK" --out "$RES"
 rm -rf "$WORK"
