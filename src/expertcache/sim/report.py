@@ -46,6 +46,9 @@ def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
     for r in results:
         total = r.total
         row = {"policy": r.policy, "admission": r.admission, "label": r.label or r.policy,
+               # the rules as run: 'default' brings its own admission when none is named
+               "eviction_params": dict(r.spec.eviction_params) if r.spec else None,
+               "admission_params": dict(r.spec.admission_params) if r.spec else None,
                "partition": r.partition, "slots": r.slots, "accesses": total.accesses,
                "hits": total.hits, "misses": total.misses, "hit_rate": total.hit_rate,
                "opt_misses": opt.get(r.slots),
