@@ -148,7 +148,7 @@ def test_device_planner_on_every_family(family):
 def test_live_counts_equal_sim_lag_replay(reference, kwargs):
     live = offload(copy.deepcopy(reference), planner="device", **kwargs)
     trace = record(live, _ids(1, seed=11), 9)
-    policy = f"{kwargs.get('eviction', 'default')}+{kwargs.get('admission', 'always')}"
+    policy = kwargs.get("eviction", "default") + (f"+{kwargs['admission']}" if "admission" in kwargs else "")
     blocks = kwargs.get("staging_blocks", 1)
     replayed = lag_replay(trace, policy, kwargs["slots"], kwargs.get("partition", "global"), kwargs.get("lag", 1),
                           staging=kwargs.get("staging", 2) // blocks, blocks=blocks)

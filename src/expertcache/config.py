@@ -94,6 +94,10 @@ class CacheConfig:
         self._check_choice("host_memory", self.host_memory, HOST_MEMORY)
         self._check_choice("cpu_kernel", self.cpu_kernel, CPU_KERNELS)
         self._check_choice("planner", self.planner, PLANNERS)
+        if self.planner == "host" and (self.lag, self.staging_blocks) != (1, 1):
+            raise ValueError("lag and staging_blocks apply to planner='device' only (the host planner "
+                             "plans each step as it runs, with no lag): set planner='device' or "
+                             "leave them out")
         if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
             raise ValueError(f"lag must be a whole number of forwards >= 1 (planner='device'), got {self.lag!r}")
         if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int) or self.staging_blocks < 1:
