@@ -315,9 +315,12 @@ def kernel_result(prep: Prepared, spec: ReplayPolicy, kernel, slots: int,
                         f"{spec.eviction}-kernel", spec.label, spec)
 
 
-def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int) -> np.ndarray:
+def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int,
+               log: np.ndarray | None = None) -> np.ndarray:
     """Counts ``[2, L, 6]``: the whole trace through ``kernel``'s compiled replay, over the
-    state ``SlotTable`` keeps for the same policy (``policies/kernels/table.py``)."""
+    state ``SlotTable`` keeps for the same policy (``policies/kernels/table.py``). ``log``
+    (int32 like ``prep.keys``): also write what each step loaded and evicted
+    (``skeleton.replay_log``; ``sim/lag.py`` replays the lagged device from it)."""
     from ..policies.kernels import skeleton
     from ..policies.kernels.table import Admission
     policy = spec.policy(cap)
@@ -335,7 +338,10 @@ def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int)
     st = kernel.state(policy, nkeys, parts, cap, width)
     sc = skeleton.scratch(prep.L, nkeys, parts, width)
     adm = admission.adm
-    kernel.replay(prep.keys, prep.phases, prep.L, parts, cap, st, sc, adm)
+    if log is None:
+        kernel.replay(prep.keys, prep.phases, prep.L, parts, cap, st, sc, adm)
+    else:
+        kernel.replay_log(prep.keys, prep.phases, prep.L, parts, cap, st, sc, adm, log)
     return sc[0]
 
 

@@ -65,11 +65,26 @@ def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
     return out
 
 
+def batch_summary(prep) -> dict:
+    """A replay's batch size and step count (``Prepared``): ``requests`` decoded together (1:
+    one stream; None: a recorded grouped trace, whose batches vary) and ``steps``, the
+    forwards it replays (one step per layer each)."""
+    meta = prep.trace.meta
+    batch = meta.get("batch")
+    if isinstance(batch, dict) and "requests" in batch:
+        requests = batch["requests"]
+    else:
+        requests = None if meta.get("prefill_steps") == "grouped" else 1
+    return {"requests": requests, "steps": len(prep.row_phases)}
+
+
 def document(trace: Trace, table: list[dict], hw: Hardware, miss_path: str,
-             cost: ExpertCost | None, slot_format: str = "dequantized") -> dict:
-    """The whole ``--json`` document."""
+             cost: ExpertCost | None, slot_format: str = "dequantized", prep=None) -> dict:
+    """The whole ``--json`` document (``prep``: the replay's ``Prepared``, for its batch size
+    and steps)."""
     used = chosen_path(cost, hw, miss_path, slot_format) if cost else None
-    return {"trace": trace.summary(), "results": table,
+    summary = trace.summary() if prep is None else {**trace.summary(), **batch_summary(prep)}
+    return {"trace": summary, "results": table,
             "cost_model": {"hardware": hw.name, "miss_path": miss_path, "miss_path_used": used,
                            "slot_format": slot_format,
                            "expert_bytes": cost.expert_bytes if cost else None,
