@@ -60,8 +60,8 @@ def run(args) -> int:
         trace = batch_traces([trace], args.requests)
         why += f", cut into {args.requests} requests decoded together"
     if trace is not None and trace.meta.get("prefill_steps") == "grouped":
-        from .sim import header
-        why += f"; {header(trace).split(': ', 1)[1]}"
+        from ..sim.report import trace_header
+        why += f"; {trace_header(trace).split(': ', 1)[1]}"
     result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device, args.cpu_kernel)
     # the cost model prices one token's top-k uses at the replay's hit rate (sim/plan.py)
     result["requests"] = _requests(trace)

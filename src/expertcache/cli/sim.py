@@ -179,22 +179,10 @@ COLUMNS = ("policy", "partition", "slots", "hit rate", "misses", "opt misses", "
 _BOX = {"utf": ("┏━┳┓", "┃", "┡━╇┩", "│", "└─┴┘"), "ascii": ("+-++", "|", "+=++", "|", "+-++")}
 
 
-def header(trace) -> str:
-    """The trace's shape, and a batched trace's batch size and engine steps."""
-    text = (f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x {trace.num_experts} "
-            f"experts, top-{trace.top_k}, {trace.num_tokens} tokens")
-    sizes = trace.meta.get("step_tokens")
-    if trace.meta.get("prefill_steps") == "grouped" and isinstance(sizes, list) and sizes:
-        batch = trace.meta.get("batch")
-        who = (f"B = {batch['requests']} requests decoded together" if isinstance(batch, dict)
-               and "requests" in batch else "recorded batches")
-        text += f" ({who}: {len(sizes)} steps of {min(sizes)}..{max(sizes)} tokens)"
-    return text
-
-
 def _print_table(prep, table: list[dict], hw_name: str, has_cost: bool) -> None:
     """The results as a text table on stdout (written out here: importing rich for it
     took a quarter of a whole ``expertcache sim`` run)."""
+    from ..sim.report import trace_header
     rows = []
     for row in table:
         opt = row["opt_misses"]
@@ -216,7 +204,7 @@ def _print_table(prep, table: list[dict], hw_name: str, has_cost: bool) -> None:
     width = sum(widths) + 3 * len(widths) + 1
     caption = (f"x opt: misses / the optimum's (the lower of Belady and MIN with bypass); "
                f"tok/s: cost model on {hw_name}")
-    lines = [header(prep.trace), border(top), cells(COLUMNS, head_bar), border(rule),
+    lines = [trace_header(prep.trace), border(top), cells(COLUMNS, head_bar), border(rule),
              *(cells(r, bar) for r in rows), border(bottom), caption.center(width).rstrip()]
     if not has_cost:
         lines.append("tok/s and bytes moved need the expert size: give --expert-bytes or --model")

@@ -59,12 +59,12 @@ def lag_row(r) -> dict:
 
 
 def _print(trace, results, blocks: int, staging: int, lags: list[int]) -> None:
-    from .sim import header
+    from ..sim.report import trace_header
     rows = [(r.label, r.partition, str(r.slots), str(r.lag), f"{r.stats.total().hit_rate:.4f}",
              f"{r.stats.total('decode').hit_rate:.4f}", str(r.stats.total().misses), str(r.host_copies),
              str(r.staging_loads)) for r in results]
     widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(COLUMNS)]
-    lines = [f"{header(trace)}; staging: {blocks} block(s) of {staging} rows",
+    lines = [f"{trace_header(trace)}; staging: {blocks} block(s) of {staging} rows",
              "  ".join(f"{c:<{w}}" for c, w in zip(COLUMNS, widths))]
     lines += ["  ".join(f"{v:<{w}}" if i < 2 else f"{v:>{w}}" for i, (v, w) in enumerate(zip(row, widths)))
               for row in rows]

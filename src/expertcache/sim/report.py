@@ -65,6 +65,19 @@ def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
     return out
 
 
+def trace_header(trace: Trace) -> str:
+    """The trace's shape, and a batched trace's batch size and engine steps."""
+    text = (f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x {trace.num_experts} "
+            f"experts, top-{trace.top_k}, {trace.num_tokens} tokens")
+    sizes = trace.meta.get("step_tokens")
+    if trace.meta.get("prefill_steps") == "grouped" and isinstance(sizes, list) and sizes:
+        batch = trace.meta.get("batch")
+        who = (f"B = {batch['requests']} requests decoded together" if isinstance(batch, dict)
+               and "requests" in batch else "recorded batches")
+        text += f" ({who}: {len(sizes)} steps of {min(sizes)}..{max(sizes)} tokens)"
+    return text
+
+
 def batch_summary(prep) -> dict:
     """A replay's batch size and step count (``Prepared``): ``requests`` decoded together (1:
     one stream; None: a recorded grouped trace, whose batches vary) and ``steps``, the
