@@ -242,3 +242,13 @@ def test_lag_on_the_shared_trace_matches_the_lagged_table():
     slow = lag_replays(prep, "default", 768, "global", [1, 2], engine="table")
     assert [f.stats.to_dict() for f in fast] == [s.stats.to_dict() for s in slow]
     assert [f.host_copies for f in fast] == [s.host_copies for s in slow]
+
+
+def test_bench_says_when_slots_exceed_the_experts(capsys):
+    pytest.importorskip("torch")
+    assert main(["bench", "--preset", "olmoe", "--layers", "2", "--tokens", "8", "--scale", "0.03",
+                 "--dtype", "fp32", "--policy", "lru", "--slots", "100000", "--device", "cpu",
+                 "--threads", "1", "--baselines", "none", "--no-belady", "--hardware", "none"]) in (0, 1)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: --slots 100000 above the 128 experts (2 x 64): the pool holds 128, every expert resident" in out
+    assert "planner: host (each step's routing is read back" in out
