@@ -64,7 +64,8 @@ def run(args) -> int:
         why += f"; {trace_header(trace).split(': ', 1)[1]}"
     result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device, args.cpu_kernel)
     # the cost model prices one token's top-k uses at the replay's hit rate (sim/plan.py)
-    result["requests"] = _requests(trace)
+    from ..sim.report import batch_requests
+    result["requests"] = None if trace is None else batch_requests(trace)
     result["tok_s_is"] = TOK_S_IS
     _print(result, why)
     if args.json:
@@ -76,16 +77,6 @@ def run(args) -> int:
 TOK_S_IS = ("one request's decode tokens per second: each token's top-k expert uses priced at the "
             "replay's decode hit rate, as if the token ran alone (a batch step's shared experts "
             "are not priced once), not the batch's total")
-
-
-def _requests(trace) -> int | None:
-    """Requests decoded together in ``trace`` (1: one stream; None: recorded batches)."""
-    if trace is None:
-        return None
-    batch = trace.meta.get("batch")
-    if isinstance(batch, dict) and "requests" in batch:
-        return batch["requests"]
-    return None if trace.meta.get("prefill_steps") == "grouped" else 1
 
 
 def _trace(args, model):

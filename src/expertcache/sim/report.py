@@ -78,17 +78,19 @@ def trace_header(trace: Trace) -> str:
     return text
 
 
-def batch_summary(prep) -> dict:
-    """A replay's batch size and step count (``Prepared``): ``requests`` decoded together (1:
-    one stream; None: a recorded grouped trace, whose batches vary) and ``steps``, the
-    forwards it replays (one step per layer each)."""
-    meta = prep.trace.meta
-    batch = meta.get("batch")
+def batch_requests(trace: Trace) -> int | None:
+    """Requests decoded together: B of a ``trace batch`` trace, 1 for one stream, None for a
+    recorded grouped trace (its batches vary)."""
+    batch = trace.meta.get("batch")
     if isinstance(batch, dict) and "requests" in batch:
-        requests = batch["requests"]
-    else:
-        requests = None if meta.get("prefill_steps") == "grouped" else 1
-    return {"requests": requests, "steps": len(prep.row_phases)}
+        return batch["requests"]
+    return None if trace.meta.get("prefill_steps") == "grouped" else 1
+
+
+def batch_summary(prep) -> dict:
+    """A replay's ``requests`` (``batch_requests``) and ``steps``, the forwards it replays
+    (one step per layer each; ``prep`` a ``Prepared``)."""
+    return {"requests": batch_requests(prep.trace), "steps": len(prep.row_phases)}
 
 
 def document(trace: Trace, table: list[dict], hw: Hardware, miss_path: str,
