@@ -117,7 +117,8 @@ def test_lag_flags_say_what_is_wrong(capsys):
     argv = ["sim", "synth:olmoe", "--tokens", "20", "--policy", "lru", "--slots", "200"]
     for extra, words in ((["--lag", "1", "--lag-blocks", "0"], "--lag-blocks must be a whole number in 1..16"),
                          (["--lag", "1", "--lag-blocks", "1000"], "--lag-blocks must be a whole number in 1..16"),
-                         (["--lag-blocks", "4"], "--lag-blocks applies to --lag")):
+                         (["--lag-blocks", "4"], "--lag-blocks applies to --lag"),
+                         (["--lag", "1", "--plot", "x.png"], "--lag replays without --plot")):
         assert main([*argv, *extra]) == 2
         assert words in capsys.readouterr().err
     assert main([*argv, "--lag", "0,1,25"]) == 0

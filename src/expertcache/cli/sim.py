@@ -79,6 +79,10 @@ def run(args) -> int:
     if args.lag_blocks is not None and args.lag is None:
         raise ValueError("--lag-blocks applies to --lag (the device planner's replay): add --lag N "
                          "or drop --lag-blocks")
+    ignored = [flag for flag, value in (("--imatrix", args.imatrix), ("--plot", args.plot)) if value]
+    if args.lag is not None and ignored:  # said, not silently dropped
+        raise ValueError(f"--lag replays without {' or '.join(ignored)} (no placement, no plot): "
+                         f"drop {' and '.join(ignored)} or run them without --lag")
     trace = _load(args.trace, args.tokens, args.seed)
     policies = [s for s in args.policy.split(",") if s.strip()]
     if not policies:
