@@ -73,7 +73,7 @@ def main() -> None:
     for fraction in (float(f) for f in args.fractions.split(",")):
         slots = max(K, round(fraction * L * E))
         width = min(E, args.batch * K)
-        models = {p: offload(copy.deepcopy(plain), slots=slots, eviction=args.policy, planner=p, lag=args.lag,
+        models = {p: offload(copy.deepcopy(plain), slots=slots, eviction=args.policy, planner=p, lag=args.lag if p == "device" else 1,
                              staging=width * (args.staging_blocks if p == "device" else 1),
                              staging_blocks=args.staging_blocks if p == "device" else 1, device=args.device)
                   for p in ("host", "device")}

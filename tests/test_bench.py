@@ -229,6 +229,7 @@ def test_cli_bench_writes_json_and_plot(tmp_path, capsys):
         assert width_of(rgb, colour) > 0, f"no {colour} baseline drawn"
     text = capsys.readouterr().out
     assert "Fastest in steady state" in text and "checks: H2D bytes add up" in text
+    assert "planner: host (each step's routing is read back" in text  # which planner was timed
     assert doc["checks"]["ok"] and doc["checks"]["sim"] == []
 
 

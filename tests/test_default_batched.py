@@ -31,7 +31,7 @@ def same(a, b) -> bool:
 def live(trace: Trace, policy: str, slots: int, partition: str):
     eviction, _, admission = policy.partition("+")
     table = SlotTable(trace.num_layers, trace.num_experts, slots, eviction=eviction,
-                      admission=admission or "always", partition=partition, top_k=trace.top_k)
+                      admission=admission or None, partition=partition, top_k=trace.top_k)
     rows, phases = step_rows(trace)
     for row, phase in zip(rows, phases):
         for layer, experts in enumerate(row):

@@ -25,7 +25,8 @@ def test_default_is_registered_and_says_what_it_is():
     assert issubclass(policies["default"], NextUse)
     assert "next-use" in policies["default"].description
     assert isinstance(make_eviction("default", 16), NextUse)
-    assert parse_spec("default") == ("default", "always")
+    assert parse_spec("default") == ("default", "freq")  # its own admission when none is named
+    assert parse_spec("default+always") == ("default", "always")
     assert resolve_policy("default").eviction == "default"
 
 

@@ -148,7 +148,7 @@ def test_device_planner_on_every_family(family):
 def test_live_counts_equal_sim_lag_replay(reference, kwargs):
     live = offload(copy.deepcopy(reference), planner="device", **kwargs)
     trace = record(live, _ids(1, seed=11), 9)
-    policy = f"{kwargs.get('eviction', 'default')}+{kwargs.get('admission', 'always')}"
+    policy = kwargs.get("eviction", "default") + (f"+{kwargs['admission']}" if "admission" in kwargs else "")
     # the device planner's default: a block of top-k (2) rows per layer; else staging // blocks
     blocks = kwargs.get("staging_blocks", 2)
     width = kwargs["staging"] // blocks if "staging_blocks" in kwargs else 2

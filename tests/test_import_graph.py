@@ -21,6 +21,7 @@ SRC = ROOT / "src" / "expertcache"
 # packages (siblings stay independent: runtime never imports sim, nor sim runtime), not
 # a row above. "expertcache" is the root __init__ (the public API, `offload` lazily).
 LAYERS = [
+    ("__main__",),
     ("cli",),
     ("expertcache", "serve", "bench"),
     ("integrations", "vllm"),

@@ -63,7 +63,7 @@ def test_replay_equals_live_run(plain, ids, kwargs):
     trace = record(live, ids, NEW)
     cache = live.expertcache
     table = SlotTable(trace.num_layers, trace.num_experts, cache.table.slots,
-                      eviction=kwargs.get("eviction", "default"), admission=kwargs.get("admission", "always"),
+                      eviction=kwargs.get("eviction", "default"), admission=kwargs.get("admission"),
                       partition=kwargs.get("partition", "global"), top_k=trace.top_k)
     replayed, observed = replay_live(trace, table).to_dict(), cache.stats().to_dict()
     for scope in ("prefill", "decode"):

@@ -37,7 +37,9 @@ def test_format_size():
 def test_config_defaults_and_baselines():
     cfg = CacheConfig(slots=8)
     assert (cfg.eviction.name, cfg.admission.name, cfg.miss, cfg.partition) == \
-        ("default", "always", "fetch", "global")
+        ("default", "freq", "fetch", "global")  # default's own admission (registry.own_admission)
+    assert cfg.admission.params["reset"] == 16384
+    assert CacheConfig(slots=8, admission="always").admission.name == "always"  # named: it runs
     assert CacheConfig(baseline="cpu").effective().miss == "cpu"
     assert CacheConfig(baseline="cpu").effective().admission.name == "never"
     cep = CacheConfig(baseline="copy-every-pass", miss="cpu").effective()

@@ -69,8 +69,8 @@ def test_json_schema_with_known_expert_size(small_trace, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["trace"]["tokens"] == 50 and doc["cost_model"]["hardware"] == "h200"
     rows = doc["results"]
-    assert [(r["admission"], r["slots"]) for r in rows] == [
-        ("always", 8), ("always", 16), ("second-hit", 8), ("second-hit", 16)]
+    assert [(r["admission"], r["slots"]) for r in rows] == [  # default runs its own admission, freq
+        ("freq", 8), ("freq", 16), ("second-hit", 8), ("second-hit", 16)]
     for r in rows:
         assert r["accesses"] == 4 * 50 * 2 and r["hits"] + r["misses"] == r["accesses"]
         loads = r["prefill"]["loads"] + r["decode"]["loads"]

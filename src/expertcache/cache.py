@@ -17,7 +17,7 @@ from .keys import ExpertKey
 from .policies.admission import Always, Never
 from .policies.base import AdmissionPolicy, EvictionPolicy
 from .policies.kernels import compiled
-from .policies.registry import PolicySpec, make_admission, make_eviction
+from .policies.registry import PolicySpec, make_admission, make_eviction, own_admission
 from .stats import DECODE, FIELDS, Stats, phase_code
 
 PARTITIONS = ("global", "per-layer")
@@ -94,7 +94,9 @@ class SlotTable:
 
     ``eviction`` and ``admission`` are names (``"slru:protected=0.5"``), ``PolicySpec``s
     or policy instances (an instance of a plug-in class serves a global pool only: each
-    partition needs its own). Built-in policies run compiled (``policies/kernels``, the
+    partition needs its own); admission None (the default) is the eviction policy's own
+    (``registry.own_admission``: ``freq`` for ``default``, else ``always``), and any admission
+    named runs as named. Built-in policies run compiled (``policies/kernels``, the
     code the simulator replays with); plug-ins run as Python methods.
     ``partition='global'`` shares all slots among layers; ``'per-layer'`` gives each
     layer ``slots // num_layers``. ``pinned`` keys (plus the eviction policy's own
@@ -104,7 +106,7 @@ class SlotTable:
 
     def __init__(self, num_layers: int, num_experts: int, slots: int, *,
                  eviction: str | PolicySpec | EvictionPolicy = "lru",
-                 admission: str | PolicySpec | AdmissionPolicy = "always",
+                 admission: str | PolicySpec | AdmissionPolicy | None = None,
                  partition: str = "global", top_k: int | None = None,
                  pinned: Iterable[int | tuple[int, int]] = (),
                  eviction_params: dict | None = None,
@@ -115,6 +117,8 @@ class SlotTable:
         self.partition, self.top_k = partition, top_k
         shares = partition_shares(num_layers, num_experts, slots, partition, top_k)
         policies = [_eviction(eviction, eviction_params, cap, len(shares)) for _, cap in shares]
+        if admission is None:  # none named: the eviction policy's own (default: freq), else always
+            admission = own_admission(type(policies[0]))
         adm_policy = _admission(admission, admission_params)
         self.eviction_name, self.admission_name = policies[0].name, adm_policy.name
         policy_pins = set()

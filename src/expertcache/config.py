@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, fields, replace
 
 from .cache import PARTITIONS  # noqa: F401  (defined by the table that implements them; the CLI reads it here)
-from .policies.registry import PolicySpec, admission_spec, eviction_spec
+from .policies.registry import PolicySpec, admission_spec, eviction_spec, own_admission
 from .sizes import parse_size
 
 MISS_PATHS = ("fetch", "cpu", "auto")
@@ -61,7 +61,7 @@ class CacheConfig:
     gpu_memory: str | int | None = None
     partition: str = "global"
     eviction: PolicySpec = "default"    # given as a spec, a name or 'slru:protected=0.5'; held as a spec
-    admission: PolicySpec = "always"
+    admission: PolicySpec | None = None  # None: the eviction policy's own (registry.own_admission)
     miss: str = "fetch"
     baseline: str | None = None
     staging: int | None = None
@@ -86,7 +86,8 @@ class CacheConfig:
     def __post_init__(self, eviction_params: dict | None, admission_params: dict | None) -> None:
         # Policies first: names, parameter types and ranges are checked here, before any load.
         object.__setattr__(self, "eviction", eviction_spec(self.eviction, eviction_params))
-        object.__setattr__(self, "admission", admission_spec(self.admission, admission_params))
+        admission = own_admission(self.eviction.cls) if self.admission is None else self.admission
+        object.__setattr__(self, "admission", admission_spec(admission, admission_params))
         self._check_capacity()
         self._check_choice("partition", self.partition, PARTITIONS)
         self._check_choice("miss", self.miss, MISS_PATHS)
@@ -99,6 +100,10 @@ class CacheConfig:
         self._check_choice("host_memory", self.host_memory, HOST_MEMORY)
         self._check_choice("cpu_kernel", self.cpu_kernel, CPU_KERNELS)
         self._check_choice("planner", self.planner, PLANNERS)
+        if self.planner == "host" and (self.lag != 1 or self.staging_blocks not in (None, 1)):
+            raise ValueError("lag and staging_blocks apply to planner='device' only (the host planner "
+                             "plans each step as it runs, with no lag): set planner='device' or "
+                             "leave them out")
         if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
             raise ValueError(f"lag must be a whole number of forwards >= 1 (planner='device'), got {self.lag!r}")
         self._check_choice("graphs", self.graphs, GRAPH_MODES)

@@ -47,7 +47,14 @@ def run_bench(*, trace: str | Path | None = None, preset: str | None = None, tok
     result = run_strategies(tr, model, strategies, scale=scale, dtype=dtype, device=device,
                             partition=partition, hardware=hardware, seed=seed, threads=threads,
                             clock=clock, progress=progress)
-    return _document(result, scale)
+    doc = _document(result, scale)
+    total = tr.num_layers * tr.num_experts
+    over = sorted({n for n in sizes if n > total})
+    if over:  # the runtime's pool never holds more slots than experts (costmodel.pool.cap_slots)
+        doc.setdefault("notes", []).append(
+            f"--slots {','.join(map(str, over))} above the {total} experts ({tr.num_layers} x "
+            f"{tr.num_experts}): the pool holds {total}, every expert resident")
+    return doc
 
 
 def _document(result, scale: float) -> dict:

@@ -72,6 +72,7 @@ def run(args) -> int:
                     hardware=None if args.hardware == "none" else args.hardware, threads=args.threads,
                     clock=args.clock, seed=args.seed, progress=lambda m: print(m, file=sys.stderr))
     print_table(doc)
+    print(f"planner: {PLANNER}")
     print(summary(doc["checks"]))
     print(verdict(doc["results"]))
     if args.json:
@@ -81,6 +82,11 @@ def run(args) -> int:
         plot_tok_s(doc["results"], args.plot, title=title(doc))
         print(f"wrote {args.plot}")
     return 0 if doc["checks"]["ok"] else 1  # a bench whose figures do not add up must not pass
+
+
+# The bench's cache strategies run the runtime's default planner (bench/strategies.py configs).
+PLANNER = ("host (each step's routing is read back and planned at once, as generate --planner host "
+           "runs; the bench does not time planner 'device': run generate --planner device for it)")
 
 
 def _baselines(text: str) -> list[str]:

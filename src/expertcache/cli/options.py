@@ -42,7 +42,7 @@ def add_cache_options(p) -> None:
                    help="who plans decode steps: host (routing read back per MoE layer) or device "
                         "(lookup and staging on the device, the policy --lag forwards behind; "
                         "docs/runtime.md)")
-    p.add_argument("--lag", type=int, default=1, help="--planner device: forwards the policy runs behind")
+    p.add_argument("--lag", type=int, help="--planner device: forwards the policy runs behind (default 1)")
     p.add_argument("--staging-blocks", type=int, default=None,
                    help="--planner device: staging rows in this many blocks, layer l staging into block "
                         "l %% B (default: one block per layer of --staging rows each, so admitted misses "
@@ -58,6 +58,7 @@ def cache_config(args):
     from ..config import CacheConfig
     from ..policies.registry import parse_policy
 
+    _device_only(args)
     policy = parse_policy(args.policy)
     return CacheConfig(slots=args.slots, gpu_memory=args.gpu_memory, eviction=policy.eviction,
                        admission=policy.admission, partition=args.partition,
@@ -65,8 +66,20 @@ def cache_config(args):
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
                        host_memory=args.host_memory, cpu_kernel=args.cpu_kernel, hardware=args.hardware,
-                       planner=args.planner, lag=args.lag,
+                       planner=args.planner, lag=1 if args.lag is None else args.lag,
                        staging_blocks=args.staging_blocks, graphs=args.graphs)
+
+
+def _device_only(args) -> None:
+    """Refuse --lag / --staging-blocks given with the host planner, which has no lag (the
+    settings are the device planner's; silently ignoring them misleads)."""
+    given = [flag for flag, value in (("--lag", args.lag), ("--staging-blocks", args.staging_blocks))
+             if value is not None]
+    if given and args.planner != "device":
+        raise ValueError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --planner "
+                         f"device only (the host planner "
+                         f"plans each step as it runs, with no lag): add --planner device or drop "
+                         f"{'them' if len(given) > 1 else 'it'}")
 
 
 def add_sampling_options(p, temperature: float) -> None:

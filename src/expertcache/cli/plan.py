@@ -59,11 +59,24 @@ def run(args) -> int:
         from ..trace.batch import batch_traces
         trace = batch_traces([trace], args.requests)
         why += f", cut into {args.requests} requests decoded together"
+    if trace is not None and trace.meta.get("prefill_steps") == "grouped":
+        from ..sim.report import trace_header
+        why += f"; {trace_header(trace).split(': ', 1)[1]}"
     result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device, args.cpu_kernel)
+    # the cost model prices one token's top-k uses at the replay's hit rate (sim/plan.py)
+    from ..sim.report import batch_requests
+    result["requests"] = None if trace is None else batch_requests(trace)
+    result["tok_s_is"] = TOK_S_IS
     _print(result, why)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+# What plan's tok/s is, batched or not (sim/plan.py prices each decode token's top-k uses).
+TOK_S_IS = ("one request's decode tokens per second: each token's top-k expert uses priced at the "
+            "replay's decode hit rate, as if the token ran alone (a batch step's shared experts "
+            "are not priced once), not the batch's total")
 
 
 def _trace(args, model):
@@ -105,6 +118,8 @@ def _print(result: dict, why: str) -> None:
                   "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}",
                   "-" if row["tok_s"] is None else f"{row['tok_s']:.1f}")
     console.print(t)
+    if result.get("trace") is not None and result.get("requests") != 1:
+        console.print(f"tok/s: {TOK_S_IS}")
     best = result["best"]
     if best:
         console.print(f"recommended: {best['config']} ({best['tok_s']:.1f} tok/s predicted)")

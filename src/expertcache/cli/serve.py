@@ -56,6 +56,11 @@ def run(args) -> int:
         tokenizer = load_tokenizer(args.model)
         model = offload(args.model, config=config).eval()
         print(f"expertcache serve: {model.expertcache!r}")
+        from ..runtime.generate import planner_line, slots_note
+        cache = model.expertcache.summary()
+        print(f"expertcache serve: planner {planner_line(cache)}")
+        if slots_note(cache):
+            print(f"expertcache serve: {slots_note(cache)}")
         Server(model, tokenizer, settings).run(sock)
     finally:
         sock.close()

@@ -60,8 +60,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lag", metavar="N[,N...]",
                    help="replay as planner='device' runs: the policy N forwards behind the device "
                         "(0 = the plain replay); prints hits and experts copied per lag (sim/lag.py)")
-    p.add_argument("--lag-blocks", type=int, default=1, metavar="B",
-                   help="with --lag: staging blocks (layer l stages into block l %% B; 1 = shared)")
+    p.add_argument("--lag-blocks", type=int, metavar="B",
+                   help="with --lag: staging blocks, 1 to the trace's layers (layer l stages into block "
+                        "l %% B; default 1: every layer shares the staging rows)")
     p.set_defaults(func=run)
 
 
@@ -75,6 +76,13 @@ def run(args) -> int:
 
     if args.plot:
         from ..sim.plot import plot_curves  # matplotlib missing: say so before the sweep
+    if args.lag_blocks is not None and args.lag is None:
+        raise ValueError("--lag-blocks applies to --lag (the device planner's replay): add --lag N "
+                         "or drop --lag-blocks")
+    ignored = [flag for flag, value in (("--imatrix", args.imatrix), ("--plot", args.plot)) if value]
+    if args.lag is not None and ignored:  # said, not silently dropped
+        raise ValueError(f"--lag replays without {' or '.join(ignored)} (no placement, no plot): "
+                         f"drop {' and '.join(ignored)} or run them without --lag")
     trace = _load(args.trace, args.tokens, args.seed)
     policies = [s for s in args.policy.split(",") if s.strip()]
     if not policies:
@@ -92,8 +100,10 @@ def run(args) -> int:
     prep = Prepared(trace, None if args.steps == "auto" else args.steps)
     if args.lag is not None:
         from .simlag import run_lags
-        return run_lags(prep, specs, slots, args.partition, _numbers(args.lag, int, "--lag"),
-                        args.lag_blocks, args.json)
+        doc = document(trace, [], hw, args.miss_path, cost, args.slot_format, prep)
+        with _progress(len(specs) * len(slots), always=True) as tick:
+            return run_lags(prep, specs, slots, args.partition, _numbers(args.lag, int, "--lag"),
+                            1 if args.lag_blocks is None else args.lag_blocks, args.json, doc, tick)
     if args.imatrix:  # placement changes every replay, so no shared sweep kernels
         from ..sim.imatrix import imatrix_replays
         results = imatrix_replays(prep, specs, slots, args.partition, args.imatrix,
@@ -108,10 +118,10 @@ def run(args) -> int:
     extra = [] if optimum or not args.plot else sweep(prep, [OPTIMA[0][0]], slots, args.partition,
                                                        workers=1)
     table = rows(trace, results, opt, cost, hw, args.miss_path, args.slot_format)
-    _print_table(trace, table, hw.name, cost is not None)
+    _print_table(prep, table, hw.name, cost is not None)
     if args.json:
         Path(args.json).write_text(json.dumps(document(trace, table, hw, args.miss_path, cost,
-                                                       args.slot_format), indent=2) + "\n")
+                                                       args.slot_format, prep), indent=2) + "\n")
     if args.plot:
         title = f"{trace.meta.get('model', 'trace')}: {trace.num_tokens} tokens, {args.partition}"
         plot_curves(results + extra, args.plot, title=title,
@@ -144,13 +154,15 @@ def _numbers(text: str, kind, flag: str) -> list:
 
 
 class _progress:
-    """A rich progress bar on stderr for sweeps with more than a handful of jobs."""
+    """A rich progress bar on stderr for sweeps with more than a handful of jobs (``always``:
+    from two jobs on, each being a long replay)."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, always: bool = False) -> None:
         self.total, self.bar = total, None
+        self.least = 1 if always else 4
 
     def __enter__(self):
-        if self.total > 4 and sys.stderr.isatty():
+        if self.total > self.least and sys.stderr.isatty():
             from rich.progress import Progress
             self.bar = Progress(transient=True)
             self.bar.start()
@@ -171,9 +183,10 @@ COLUMNS = ("policy", "partition", "slots", "hit rate", "misses", "opt misses", "
 _BOX = {"utf": ("┏━┳┓", "┃", "┡━╇┩", "│", "└─┴┘"), "ascii": ("+-++", "|", "+=++", "|", "+-++")}
 
 
-def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None:
+def _print_table(prep, table: list[dict], hw_name: str, has_cost: bool) -> None:
     """The results as a text table on stdout (written out here: importing rich for it
     took a quarter of a whole ``expertcache sim`` run)."""
+    from ..sim.report import trace_header
     rows = []
     for row in table:
         opt = row["opt_misses"]
@@ -195,9 +208,7 @@ def _print_table(trace, table: list[dict], hw_name: str, has_cost: bool) -> None
     width = sum(widths) + 3 * len(widths) + 1
     caption = (f"x opt: misses / the optimum's (the lower of Belady and MIN with bypass); "
                f"tok/s: cost model on {hw_name}")
-    lines = [f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x "
-             f"{trace.num_experts} experts, top-{trace.top_k}, {trace.num_tokens} tokens",
-             border(top), cells(COLUMNS, head_bar), border(rule),
+    lines = [trace_header(prep.trace), border(top), cells(COLUMNS, head_bar), border(rule),
              *(cells(r, bar) for r in rows), border(bottom), caption.center(width).rstrip()]
     if not has_cost:
         lines.append("tok/s and bytes moved need the expert size: give --expert-bytes or --model")

@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
     p = tsub.add_parser("batch", help="interleave B requests into a grouped trace (batched decode)",
                         description="Make a grouped trace of B requests decoded together: one "
                         "trace's tokens cut into B stretches, or several traces (each cut into its "
-                        "share of B). sim, plan and bench replay it as an engine's batches.")
+                        "share of B). sim and plan replay it as an engine's batches; bench replays "
+                        "any trace one token per step (docs/traces.md).")
     p.add_argument("inputs", nargs="+", metavar="IN.npz")
     p.add_argument("--requests", type=int, required=True, metavar="B", help="requests decoded together")
     p.add_argument("--prompt", type=int, default=0, metavar="N",
@@ -71,10 +72,15 @@ def add_parser(sub) -> None:
 
 def _batch(args) -> int:
     check_output(args.output, "OUT.npz")
+    out = Path(args.output).resolve()
+    for name in args.inputs:  # the inputs are read whole first, but a typo must not lose one
+        if Path(name).resolve() == out:
+            raise ValueError(f"-o {args.output} is an input trace; write the batched trace to "
+                             "another file")
     from ..trace import load_trace, save_trace
     from ..trace.batch import batch_traces
     trace = batch_traces([load_trace(p) for p in args.inputs], args.requests, args.prompt,
-                         args.prompt_chunk)
+                         args.prompt_chunk, names=list(args.inputs))
     save_trace(trace, args.output)
     steps = trace.meta["step_tokens"]
     print(f"wrote {args.output}: {args.requests} requests, {trace.num_tokens} tokens in "
@@ -125,7 +131,7 @@ def _info(args) -> int:
     stats = locality(trace)
     stats["top1_share"] = top_share(trace.experts, trace.num_experts, 1)
     phases = trace.phases
-    summary = {**trace.summary(), "prompt_tokens": int((phases == 0).sum()),
+    summary = {**_short(trace.summary()), "prompt_tokens": int((phases == 0).sum()),
                "generated_tokens": int((phases == 1).sum()),
                "chance_lag1_reuse": trace.top_k / trace.num_experts,
                "router_logits": trace.logits is not None}
@@ -144,7 +150,21 @@ def _info(args) -> int:
     for layer in range(trace.num_layers):
         print(f"{layer:6d} " + " ".join(f"{stats[n][layer]:11.3f}" for n in names))
     print("  mean " + " ".join(f"{np.mean(stats[n]):11.3f}" for n in names))
+    print(f"lag1_reuse: share of a token's experts the token before it in the file also selected "
+          f"(chance {summary['chance_lag1_reuse']:.3f})"
+          + ("; tokens are in step order here, so neighbours are mostly different requests' tokens, "
+             "not one request's consecutive ones" if "steps" in summary else ""))
     return 0
+
+
+def _short(summary: dict) -> dict:
+    """A grouped trace's ``step_tokens`` (one number per step) as its count and range."""
+    sizes = summary.pop("step_tokens", None)
+    if isinstance(sizes, list) and sizes:
+        summary["steps"] = len(sizes)
+        summary["step_tokens"] = (f"{min(sizes)}..{max(sizes)} tokens a step, "
+                                  f"mean {sum(sizes) / len(sizes):.2f}")
+    return summary
 
 
 def _record(args) -> int:

@@ -71,9 +71,9 @@ class NextUse(EvictionPolicy):
 class Default(NextUse):
     name = "default"
     description = ("default: currently next-use(window=128, horizon=2) with admission "
-                   "'freq:reset=16384' in place of 'always' (batched steps weigh a miss against "
+                   "'freq:reset=16384' unless another is named (batched steps weigh a miss against "
                    "its victim; one token's steps admit all: docs/policies.md, Batched workloads)")
-    # Brought along when the admission asked for is 'always' (kernels.implied_admission):
+    # Its admission when none is named (registry.own_admission; a named one, 'always' too, wins):
     # under batched decode a forward pass needs more keys than fit, and admitting every miss
     # flushes what the next pass needs (issue 25).
     admission = "freq:reset=16384"

@@ -223,11 +223,12 @@ def admission_spec(value: str | PolicySpec, params: dict | None = None) -> Polic
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
-    """'slru+second-hit' -> ('slru', 'second-hit'); 'lru' -> ('lru', 'always')."""
+    """'slru+second-hit' -> ('slru', 'second-hit'); 'lru' -> ('lru', 'always'); 'default' ->
+    ('default', 'freq'): with no admission named, the eviction policy's own (``own_admission``)."""
     eviction, _, admission = spec.strip().partition("+")
     if not eviction:
         raise ValueError(f"empty policy in {spec!r}; write EVICTION or EVICTION+ADMISSION, e.g. 'lru' or 'slru+second-hit'")
-    return eviction, admission or "always"
+    return eviction, admission or own_admission(eviction_class(eviction)).split(":")[0]
 
 
 class PolicyPair(NamedTuple):
@@ -254,8 +255,18 @@ def parse_policy(spec: str) -> PolicyPair:
         raise ValueError(f"empty policy in {spec!r}; write EVICTION or EVICTION+ADMISSION, "
                          "e.g. 'lru' or 'slru:protected=0.5+second-hit'")
     eviction = PolicySpec("eviction", *_named_params(sides[0], spec))
-    admission = PolicySpec("admission", *_named_params(sides[1] if len(sides) == 2 else "always", spec))
+    if len(sides) == 2:  # an admission named, even 'always', is the one that runs
+        admission = PolicySpec("admission", *_named_params(sides[1], spec))
+    else:
+        admission = admission_spec(own_admission(eviction.cls))
     return PolicyPair(eviction, admission)
+
+
+def own_admission(eviction_cls) -> str:
+    """The admission an eviction policy runs with when none is named: the class's own
+    ``admission`` (``default``: ``freq:reset=16384``), else ``'always'``. One rule for
+    ``--policy``, ``CacheConfig`` and ``SlotTable``: a named admission always wins."""
+    return getattr(eviction_cls, "admission", None) or "always"
 
 
 def _named_params(side: str, spec: str) -> tuple[str, dict[str, str]]:

@@ -231,7 +231,11 @@ def format_summary(summary: dict) -> str:
                                f"({format_size(c['bytes_per_slot'])} per slot, {format_size(c['expert_bytes'])} "
                                f"per load{', ' + '/'.join(c['quant']) + ' in ' + c['slot_format'] + ' slots' if c['quant'] else ''})"),
                  ("host experts", f"{c['host_memory']}: {c['host_memory_reason']}"),
+                 ("planner", planner_line(c)),
                  ("policy", policy_label(c["config"]))]
+        capped = slots_note(c)
+        if capped:
+            rows.insert(-3, ("", capped))  # under the slot pool line
         if c.get("graphs"):
             rows.append(("graphs", graphs_label(c["graphs"])))
     return "\n".join(f"{label:<14}{value}" for label, value in rows)
@@ -243,6 +247,24 @@ def graphs_label(graphs: dict) -> str:
         return (f"{graphs['mode']} ({graphs['how']}): {graphs['replays']} replays, {graphs['breaks']} breaks, "
                 f"batch sizes {', '.join(map(str, graphs['captured']))}")
     return f"{graphs['mode']}, eager decode: {graphs['reason']}"
+
+
+def planner_line(cache: dict) -> str:
+    """Which planner runs decode steps and why (``ExpertCache.summary()``): a refused
+    ``planner='device'`` says so here, not only in the JSON."""
+    return f"{cache['planner']} ({cache['planner_reason']})"
+
+
+def slots_note(cache: dict) -> str | None:
+    """Why the pool has fewer cache slots than ``--slots`` asked, or None."""
+    asked = cache["config"].get("slots")
+    if asked is None or asked <= cache["slots"] or cache.get("host_resident"):
+        return None
+    total = cache["layers"] * cache["experts"]
+    why = (f"the model has {total} experts ({cache['layers']} x {cache['experts']}): more slots would "
+           "only waste memory") if asked > total else \
+        f"a per-layer partition takes whole slots per layer ({cache['slots'] // cache['layers']} each)"
+    return f"--slots {asked} asked, {cache['slots']} used: {why}"
 
 
 def policy_label(config: dict) -> str:

@@ -116,7 +116,8 @@ def _plain_lru(spec: ReplayPolicy) -> bool:
 
 def _table_result(prep: Prepared, spec: ReplayPolicy, slots: int, partition: str) -> ReplayResult:
     stats = table_replay(prep, check_table(prep.trace, spec, slots, partition))
-    return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, "table", spec.label)
+    return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, "table", spec.label,
+                        spec)
 
 
 def _table_job(spec: ReplayPolicy, slots: int, partition: str) -> ReplayResult:

@@ -24,7 +24,7 @@ import numpy as np
 from ..cache import SlotTable, partition_shares
 from ..policies.belady import Future
 from ..config import fraction_slots
-from ..policies.registry import PolicyPair, admission_spec, eviction_spec, parse_policy
+from ..policies.registry import PolicyPair, admission_spec, eviction_spec, own_admission, parse_policy
 from ..stats import PREFILL, Counts, Stats
 from ..trace.format import Trace
 
@@ -41,7 +41,8 @@ class ReplayResult:
     slots: int         # total slots (per-layer: ``slots // L`` each)
     stats: Stats
     engine: str        # "table" (SlotTable) or the fast kernel used
-    label: str = ""    # what the user asked for, e.g. "default" -> "default (next-use)"
+    label: str = ""    # what the user asked for, e.g. "default" -> "default (next-use+freq)"
+    spec: ReplayPolicy | None = None  # the policies as run, with their parameters
 
     @property
     def total(self) -> Counts:
@@ -119,8 +120,9 @@ def resolve_policy(spec: str | PolicyPair | ReplayPolicy, eviction_params: dict 
                           admission_spec(pair.admission.name, admission_params))
     label = label or (spec.strip() if isinstance(spec, str) else str(pair))
     if pair.eviction.name == "default":
-        own = getattr(pair.eviction.cls, "admission", None)
-        own = f"+{own.split(':')[0]}" if own and pair.admission.name == "always" else ""
+        # 'default' names the policy it stands for, and the admission it brings when none is named
+        own = admission_spec(own_admission(pair.eviction.cls))
+        own = f"+{own.name}" if own == pair.admission and "+" not in label else ""
         label = label.replace("default", f"default ({_aliased(pair.eviction.cls)}{own})", 1)
     return ReplayPolicy(pair, label)
 
@@ -282,7 +284,8 @@ def replay(trace: Trace | Prepared, policy: str | PolicyPair | ReplayPolicy, slo
     if kernel is not None and engine != "table":
         return kernel_result(prep, spec, kernel, slots, partition)
     stats = table_replay(prep, check_table(prep.trace, spec, slots, partition, pinned), seed)
-    return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, "table", spec.label)
+    return ReplayResult(spec.eviction, spec.admission, partition, slots, stats, "table", spec.label,
+                        spec)
 
 
 def kernel_for(prep: Prepared, spec: ReplayPolicy):
@@ -309,20 +312,21 @@ def kernel_result(prep: Prepared, spec: ReplayPolicy, kernel, slots: int,
     parts = 1 if partition == "global" else prep.L
     counts = run_kernel(prep, kernel, spec, parts, cap)
     return ReplayResult(spec.eviction, spec.admission, partition, slots, Stats(counts.tolist()),
-                        f"{spec.eviction}-kernel", spec.label)
+                        f"{spec.eviction}-kernel", spec.label, spec)
 
 
-def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int) -> np.ndarray:
+def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int,
+               log: np.ndarray | None = None) -> np.ndarray:
     """Counts ``[2, L, 6]``: the whole trace through ``kernel``'s compiled replay, over the
-    state ``SlotTable`` keeps for the same policy (``policies/kernels/table.py``)."""
+    state ``SlotTable`` keeps for the same policy (``policies/kernels/table.py``). ``log``
+    (int32 like ``prep.keys``): also write what each step loaded and evicted
+    (``skeleton.replay_log``; ``sim/lag.py`` replays the lagged device from it)."""
     from ..policies.kernels import skeleton
     from ..policies.kernels.table import Admission
     policy = spec.policy(cap)
     nkeys, width = prep.L * prep.E, prep.keys.shape[1]
-    from ..policies.kernels import implied_admission
-    admission = Admission(*implied_admission(spec.eviction_cls, spec.admission_cls,
-                                             spec.admission_params),
-                          nkeys, parts, width, prep.trace.top_k)
+    admission = Admission(spec.admission_cls, spec.admission_params, nkeys, parts, width,
+                          prep.trace.top_k)
     if policy.needs_future or spec.spec.admission.needs_future:
         # the kernel replays ``keys``' rows: their future, built compiled
         starts, uses, nexts = prep.future_arrays
@@ -334,7 +338,10 @@ def run_kernel(prep: Prepared, kernel, spec: ReplayPolicy, parts: int, cap: int)
     st = kernel.state(policy, nkeys, parts, cap, width)
     sc = skeleton.scratch(prep.L, nkeys, parts, width)
     adm = admission.adm
-    kernel.replay(prep.keys, prep.phases, prep.L, parts, cap, st, sc, adm)
+    if log is None:
+        kernel.replay(prep.keys, prep.phases, prep.L, parts, cap, st, sc, adm)
+    else:
+        kernel.replay_log(prep.keys, prep.phases, prep.L, parts, cap, st, sc, adm, log)
     return sc[0]
 
 
@@ -358,7 +365,7 @@ def lru_all_sizes(prep: Prepared, slots_list: Sequence[int], partition: str,
             dist = stack.lru_distances(prep.keys, prep.phases, prep.L, prep.E, parts)
         counts = stack.lru_counts_at(dist, cap, parts)
         out.append(ReplayResult("lru", "always", partition, slots, Stats(counts.tolist()),
-                                "lru-stack", spec.label))
+                                "lru-stack", spec.label, spec))
     return out
 
 

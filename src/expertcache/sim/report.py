@@ -46,6 +46,9 @@ def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
     for r in results:
         total = r.total
         row = {"policy": r.policy, "admission": r.admission, "label": r.label or r.policy,
+               # the rules as run: 'default' brings its own admission when none is named
+               "eviction_params": dict(r.spec.eviction_params) if r.spec else None,
+               "admission_params": dict(r.spec.admission_params) if r.spec else None,
                "partition": r.partition, "slots": r.slots, "accesses": total.accesses,
                "hits": total.hits, "misses": total.misses, "hit_rate": total.hit_rate,
                "opt_misses": opt.get(r.slots),
@@ -62,11 +65,41 @@ def rows(trace: Trace, results: Sequence[ReplayResult], opt: dict[int, int],
     return out
 
 
+def trace_header(trace: Trace) -> str:
+    """The trace's shape, and a batched trace's batch size and engine steps."""
+    text = (f"{trace.meta.get('model', 'trace')}: {trace.num_layers} layers x {trace.num_experts} "
+            f"experts, top-{trace.top_k}, {trace.num_tokens} tokens")
+    sizes = trace.meta.get("step_tokens")
+    if trace.meta.get("prefill_steps") == "grouped" and isinstance(sizes, list) and sizes:
+        batch = trace.meta.get("batch")
+        who = (f"B = {batch['requests']} requests decoded together" if isinstance(batch, dict)
+               and "requests" in batch else "recorded batches")
+        text += f" ({who}: {len(sizes)} steps of {min(sizes)}..{max(sizes)} tokens)"
+    return text
+
+
+def batch_requests(trace: Trace) -> int | None:
+    """Requests decoded together: B of a ``trace batch`` trace, 1 for one stream, None for a
+    recorded grouped trace (its batches vary)."""
+    batch = trace.meta.get("batch")
+    if isinstance(batch, dict) and "requests" in batch:
+        return batch["requests"]
+    return None if trace.meta.get("prefill_steps") == "grouped" else 1
+
+
+def batch_summary(prep) -> dict:
+    """A replay's ``requests`` (``batch_requests``) and ``steps``, the forwards it replays
+    (one step per layer each; ``prep`` a ``Prepared``)."""
+    return {"requests": batch_requests(prep.trace), "steps": len(prep.row_phases)}
+
+
 def document(trace: Trace, table: list[dict], hw: Hardware, miss_path: str,
-             cost: ExpertCost | None, slot_format: str = "dequantized") -> dict:
-    """The whole ``--json`` document."""
+             cost: ExpertCost | None, slot_format: str = "dequantized", prep=None) -> dict:
+    """The whole ``--json`` document (``prep``: the replay's ``Prepared``, for its batch size
+    and steps)."""
     used = chosen_path(cost, hw, miss_path, slot_format) if cost else None
-    return {"trace": trace.summary(), "results": table,
+    summary = trace.summary() if prep is None else {**trace.summary(), **batch_summary(prep)}
+    return {"trace": summary, "results": table,
             "cost_model": {"hardware": hw.name, "miss_path": miss_path, "miss_path_used": used,
                            "slot_format": slot_format,
                            "expert_bytes": cost.expert_bytes if cost else None,

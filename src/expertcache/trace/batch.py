@@ -19,9 +19,11 @@ from ..stats import DECODE, PREFILL
 from .format import Trace
 
 
-def cut(traces: list[Trace], requests: int) -> list[tuple[int, int, int]]:
+def cut(traces: list[Trace], requests: int,
+        names: list[str] | None = None) -> list[tuple[int, int, int]]:
     """``(trace index, start, stop)`` of each request: trace ``i`` gives ``requests // n``
-    stretches (the first ``requests % n`` traces one more), of equal length."""
+    stretches (the first ``requests % n`` traces one more), of equal length. ``names``: the
+    traces' files, for the messages."""
     n = len(traces)
     if requests < n:
         raise ValueError(f"--requests {requests} is below the {n} traces given: each trace "
@@ -31,7 +33,10 @@ def cut(traces: list[Trace], requests: int) -> list[tuple[int, int, int]]:
         share = requests // n + (i < requests % n)
         length = trace.num_tokens // share
         if length < 1:
-            raise ValueError(f"trace {i} has {trace.num_tokens} tokens, too few for {share} requests")
+            name = names[i] if names else f"trace {i}"
+            raise ValueError(f"{name} has {trace.num_tokens} tokens, too few for {share} requests "
+                             f"(each needs at least one token): give --requests {trace.num_tokens * n} "
+                             "or fewer")
         out += [(i, r * length, (r + 1) * length) for r in range(share)]
     return out
 
@@ -62,14 +67,24 @@ def schedule(lengths: list[int], prompt: int, chunk: int) -> list[list[tuple[int
 
 
 def batch_traces(traces: list[Trace], requests: int, prompt: int = 0,
-                 prompt_chunk: int | None = None) -> Trace:
+                 prompt_chunk: int | None = None, names: list[str] | None = None) -> Trace:
     """A ``grouped`` trace of ``requests`` requests interleaved (module doc). ``prompt``: the
     first tokens of each request are its prompt (phase 0); ``prompt_chunk`` (default: the
-    whole prompt) is how many of them one step prefills."""
+    whole prompt) is how many of them one step prefills. ``names``: the traces' files, for
+    the messages."""
     if not traces:
         raise ValueError("batch needs at least one trace")
     if requests < 1:
         raise ValueError(f"--requests must be at least 1, got {requests}")
+    for i, t in enumerate(traces):
+        if t.meta.get("prefill_steps") == "grouped":  # its steps are already an engine's batches
+            name = names[i] if names else f"trace {i}"
+            raise ValueError(f"{name} is already a batched (grouped) trace{_requests(t)}: batching "
+                             "it again would lose its batches; batch the single-stream traces it "
+                             "came from")
+    if prompt_chunk is not None and not prompt:
+        raise ValueError(f"--prompt-chunk {prompt_chunk} needs --prompt N (the prompt tokens it "
+                         "cuts into chunks); without --prompt every token decodes")
     first = traces[0]
     shape = (first.num_layers, first.num_experts, first.top_k)
     for t in traces[1:]:
@@ -81,7 +96,7 @@ def batch_traces(traces: list[Trace], requests: int, prompt: int = 0,
     chunk = prompt if prompt_chunk is None else prompt_chunk
     if prompt and chunk < 1:
         raise ValueError(f"--prompt-chunk must be at least 1, got {prompt_chunk}")
-    stretches = cut(traces, requests)
+    stretches = cut(traces, requests, names)
     lengths = [stop - start for _, start, stop in stretches]
     if prompt >= min(lengths):
         raise ValueError(f"--prompt {prompt} leaves no token to decode: requests have "
@@ -95,3 +110,9 @@ def batch_traces(traces: list[Trace], requests: int, prompt: int = 0,
             "batch": {"requests": requests, "traces": len(traces), "prompt": prompt,
                       "prompt_chunk": chunk if prompt else 0, "request_tokens": lengths[0]}}
     return Trace(np.stack(cols, axis=1), meta, phase=phase)
+
+
+def _requests(trace: Trace) -> str:
+    """' of B requests' from a batched trace's meta, else ''."""
+    batch = trace.meta.get("batch")
+    return f" of {batch['requests']} requests" if isinstance(batch, dict) and "requests" in batch else ""

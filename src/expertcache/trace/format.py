@@ -155,6 +155,9 @@ def load_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file not found: {path}")
+    if path.is_dir():
+        raise TraceError(f"{path} is a directory; give a trace file (.npz) in it, e.g. "
+                         f"{path / 'trace.npz'}")
     _check_archive(path)
     try:
         with np.load(path, allow_pickle=False) as data:

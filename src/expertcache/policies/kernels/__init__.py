@@ -52,15 +52,3 @@ def admission_args(admission_cls, params: dict) -> tuple:
     future comes later, with ``bind_future``)."""
     return (admission_cls.kernel, int(params.get("ghost", 1)), int(params.get("n", 1)),
             int(params.get("w", 1)), int(params.get("reset", 1)))
-
-
-def implied_admission(eviction_cls, admission_cls, params: dict) -> tuple:
-    """``(admission class, params)`` the compiled step runs: an eviction policy that names an
-    ``admission`` of its own (``default``) brings it when the admission asked for is the plain
-    ``always``; any other rule asked for wins."""
-    own = getattr(eviction_cls, "admission", None)
-    if own is None or getattr(admission_cls, "name", "") != "always":
-        return admission_cls, params
-    from ..registry import admission_spec
-    spec = admission_spec(own)
-    return spec.cls, spec.params

@@ -81,6 +81,12 @@ def replay(keys, phases, L, parts, cap, st, sc, adm):
 
 
 @njit(cache=True, _nrt=False)
+def replay_log(keys, phases, L, parts, cap, st, sc, adm, log):
+    skeleton.replay_log(keys, phases, L, parts, cap, st, sc, adm, log, on_hit, find_victim,
+                        on_evict, on_insert)
+
+
+@njit(cache=True, _nrt=False)
 def step(row, s, layer, token, phase, p, cap, st, sc, adm):
     skeleton.step(row, s, layer, token, phase, p, cap, st, sc, adm, on_hit, find_victim,
                   on_evict, on_insert)

@@ -57,6 +57,9 @@ ALWAYS, SECOND_HIT, WINDOW, NEVER, ORACLE, FREQ = 0, 1, 2, 3, 4, 5
 ACC, HIT, MISS, LOAD, EVICT, BYPASS = range(6)
 # out[0, j]: what happened to the step's key j (PAD: no key in that column).
 PAD, IS_HIT, IS_LOAD, IS_BYPASS = -1, 0, 1, 2
+# replay_log's log[s, j]: the key column j's load evicted, FREE (-1: it took a free slot) or
+# NOT_LOADED (a hit, a bypass or no key).
+FREE, NOT_LOADED = -1, -2
 # admission's answer for one access: NO (bypass), FREE_ONLY (only into a free slot), YES.
 NO, FREE_ONLY, YES = 0, 1, 2
 
@@ -347,6 +350,27 @@ def _loop(keys, phases, L, parts, cap, st, sc, adm, on_hit, find_victim, on_evic
         p = 0 if parts == 1 else layer
         _step(keys[s], s, layer, token, phases[s], p, cap, st, sc, adm, on_hit, find_victim,
               on_evict, on_insert, rule, False)
+
+
+@njit(inline="always")
+def replay_log(keys, phases, L, parts, cap, st, sc, adm, log, on_hit, find_victim, on_evict,
+               on_insert):
+    """``replay`` that also writes what each step did: ``log[s, j]`` is the key the load of
+    row ``s``'s column ``j`` evicted, FREE or NOT_LOADED. ``sim/lag.py`` replays a device one or
+    more forwards behind from it (the table's own steps do not change with the lag, only
+    when the device sees them). ``sc``'s ``out`` must be as wide as ``keys``."""
+    out = sc[5]
+    layer, token = L - 1, -1
+    for s in range(keys.shape[0]):
+        if layer == L - 1:
+            layer, token = 0, token + 1
+        else:
+            layer += 1
+        p = 0 if parts == 1 else layer
+        _step(keys[s], s, layer, token, phases[s], p, cap, st, sc, adm, on_hit, find_victim,
+              on_evict, on_insert, adm[0], True)
+        for j in range(keys.shape[1]):
+            log[s, j] = out[1, j] if out[0, j] == IS_LOAD else NOT_LOADED
 
 
 @njit(inline="always")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import admission_args, implied_admission, kernel_module, skeleton
+from . import admission_args, kernel_module, skeleton
 
 
 class Kernel:
@@ -26,8 +26,6 @@ class Kernel:
         self.sc = skeleton.scratch(num_layers, nkeys, parts, self.width)
         buffer = np.empty(self.width, np.int32)
         self.rows = [buffer[:n] for n in range(self.width + 1)]  # the step's keys, by count
-        admission_cls, admission_params = implied_admission(type(policy), admission_cls,
-                                                            admission_params)
         self.admission = Admission(admission_cls, admission_params, nkeys, parts, self.width,
                                    top_k)
         if admission_cls.needs_future:  # MIN with bypass: ties need the later uses (belady)
