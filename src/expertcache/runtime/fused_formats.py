@@ -15,8 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# format ids, the ``FMT`` constexpr of the kernels (runtime/fused.py maps names to them)
-FLOAT, Q8_0, Q4_K, Q6_K, Q5_K, MXFP4 = 0, 1, 2, 3, 4, 5
+# format ids, the ``FMT`` constexpr of the kernels (runtime/fused.py maps names to them); globals a
+# kernel reads must be tl.constexpr (the compiler refuses plain ints, the interpreter does not)
+FLOAT, Q8_0, Q4_K, Q6_K, Q5_K, MXFP4 = (tl.constexpr(i) for i in range(6))
 
 
 @triton.jit
