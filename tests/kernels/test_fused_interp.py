@@ -45,7 +45,7 @@ def started() -> dict[str, subprocess.Popen]:
     compiler = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
     return {group: subprocess.Popen([sys.executable, str(CASES), group], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=compiler if group == "compile" else env)
-            for group in ("models", "compile", "formats", "floats")}
+            for group in ("models", "gpt_oss", "compile", "formats", "floats")}
 
 
 @cache
@@ -75,14 +75,26 @@ def test_offloaded_decode_on_the_kernel_equals_plain(planner):
     assert run("models")[planner] is True
 
 
+@pytest.mark.parametrize("planner", ["host planner", "device planner"])
+def test_gpt_oss_decode_on_the_kernel_equals_plain(planner):
+    assert run("gpt_oss")[planner] is True
+
+
+@pytest.mark.parametrize("source", ["gguf MXFP4", "hf MXFP4"])
+def test_gpt_oss_mxfp4_on_the_kernel_equals_dequantized_slots(source):
+    assert run("gpt_oss")[source] < FLOAT32
+
+
 def test_gguf_q4_k_m_on_the_kernel_equals_dequantized_slots():
     assert run("models")["gguf Q4_K_M"] < FLOAT32
 
 
-@pytest.mark.parametrize("case", [f"{fmt}/{dt}" for fmt in range(6) for dt in (["bf16", "fp16", "fp32"] if fmt == 0
-                                                                                else ["bf16"])])
+@pytest.mark.parametrize("case", [f"{fmt}/{dt}/0" for fmt in range(6) for dt in (["bf16", "fp16", "fp32"] if fmt == 0
+                                                                                  else ["bf16"])]
+                         + ["0/bf16/1", "5/bf16/1"])
 def test_both_programs_compile_for_sm90(case):
-    """Triton's compiler (no GPU needed) for Hopper, every format (0 float, then fused.QUANT's ids)."""
+    """Triton's compiler (no GPU needed) for Hopper: format (0 float, then fused.QUANT's ids) / dtype /
+    activation (0 SiLU, 1 GPT-OSS's clamped GLU with biases)."""
     assert run("compile")[case] is True
 
 
