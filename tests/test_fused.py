@@ -156,3 +156,22 @@ def test_no_triton_means_the_torch_path(monkeypatch):
         assert fused.device_refusal(torch.device("cuda")) == "Triton is not installed"
     finally:
         fused.triton_refusal.cache_clear()
+
+
+def test_bench_fused_rehearses_on_the_cpu(tmp_path, capsys):
+    """benchmarks/bench_fused.py --device cpu: toy sizes; here (no Triton) the fused rows say why
+    they are skipped and the old path is still timed."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_fused", Path(__file__).parents[1] / "benchmarks" / "bench_fused.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    figures = json.loads((tmp_path / "b.json").read_text())
+    assert {(r["format"], r["pool_rows"]) for r in figures["rows"]} == {(f, p) for f in ("bf16", "Q4_K") for p in (8, 16, 32)}
+    assert all(r["old_s"] > 0 and r["bytes_read_per_token"] > 0 for r in figures["rows"])
+    if fused.triton_refusal() is not None:
+        assert "the fused kernel's rows are skipped" in out
