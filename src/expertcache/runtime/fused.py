@@ -192,8 +192,10 @@ def float_layout(pool: dict[str, torch.Tensor], transposed: bool, gate: Gate = G
     down = Weight(d, 0, d.stride(0), d.stride(o), d.stride(i))
     biases = None
     if "gate_up_proj_bias" in pool or "down_proj_bias" in pool:
-        gub = pool.get("gate_up_proj_bias", torch.zeros(gu.shape[0], 2 * inter, dtype=gu.dtype, device=gu.device))
-        db = pool.get("down_proj_bias", torch.zeros(d.shape[0], hidden, dtype=gu.dtype, device=gu.device))
+        def bias(name: str, width: int) -> torch.Tensor:  # a missing one: zeros (made only then)
+            return pool[name] if name in pool else gu.new_zeros(gu.shape[0], width)
+
+        gub, db = bias("gate_up_proj_bias", 2 * inter), bias("down_proj_bias", hidden)
         bstep, b0, b1 = _fused_rows(2 * inter, 1, gate)
         biases = (Bias(gub, gub.stride(0), bstep, b0), Bias(gub, gub.stride(0), bstep, b1), Bias(db, db.stride(0)))
     return Layout(*up_gate, down, hidden, inter, gu.shape[0], gu.dtype, gate, biases)
@@ -228,7 +230,7 @@ def quant_layout(pool: dict[str, torch.Tensor], codec, gate: Gate = Gate(SILU, F
         up_gate = [weight(gu.parts[0], step, g0), weight(gu.parts[0], step, u0)]
     else:
         up_gate = [weight(gu.parts[0]), weight(gu.parts[1])]
-    biases = _quant_biases(pool, kinds, part, gate, codec.dtype)
+    biases = _quant_biases(pool, kinds, part, gate)
     if isinstance(biases, str):
         return biases
     d = part[dk.parts[0]]
@@ -236,7 +238,7 @@ def quant_layout(pool: dict[str, torch.Tensor], codec, gate: Gate = Gate(SILU, F
                   gate, biases)
 
 
-def _quant_biases(pool, kinds, part, gate: Gate, dtype: torch.dtype):
+def _quant_biases(pool, kinds, part, gate: Gate):
     """The biases of quantized slots (float parts, viewed in their own dtype), None, or a refusal."""
     if "gate_up_proj_bias" not in kinds and "down_proj_bias" not in kinds:
         return None
