@@ -64,9 +64,9 @@ def _gate_up(x_ptr, pair_ptr, brow_ptr, act_ptr,
         kmask = k < H
         xt = tl.load(x_ptr + tokens[:, None] * H + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
         wmask = kmask[:, None] & nmask[None, :]
-        wg = tile(g_ptr, g_rows, k[:, None], g_col, wmask, FMT_G).to(xt.dtype)   # [BK, BN]
+        wg = tile(g_ptr, g_rows, k[:, None], k0, g_col, wmask, nmask[None, :], FMT_G).to(xt.dtype)  # [BK, BN]
         acc_g += _dot(xt, wg, PREC, UPCAST)
-        wu = tile(u_ptr, u_rows, k[:, None], u_col, wmask, FMT_U).to(xt.dtype)
+        wu = tile(u_ptr, u_rows, k[:, None], k0, u_col, wmask, nmask[None, :], FMT_U).to(xt.dtype)
         acc_u += _dot(xt, wu, PREC, UPCAST)
     # rounded where the torch path rounds: each projection, its bias sum, each step of the gate
     dtype = act_ptr.dtype.element_ty
@@ -110,7 +110,7 @@ def _down(act_ptr, pair_ptr, brow_ptr, tw_ptr, out_ptr,
         k = k0 + tl.arange(0, BK)
         kmask = k < I
         a = tl.load(act_ptr + p64[:, None] * I + k[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-        w = tile(d_ptr, d_rows, k[:, None], d_col, kmask[:, None] & nmask[None, :], FMT_D).to(a.dtype)
+        w = tile(d_ptr, d_rows, k[:, None], k0, d_col, kmask[:, None] & nmask[None, :], nmask[None, :], FMT_D).to(a.dtype)
         acc += _dot(a, w, PREC, UPCAST)
     dtype = act_ptr.dtype.element_ty
     y = _rounded(acc, dtype)                                         # the down output, rounded
