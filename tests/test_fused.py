@@ -48,10 +48,27 @@ def test_align_grid_follows_the_pairs_not_the_pool():
     assert large[1].tolist() == [3, 5000] and small[1].tolist() == [3, -1]
 
 
-def test_the_kernel_computes_silu_gated_experts_and_refuses_the_others():
-    assert module_refusal(tiny_model("qwen3_moe").model.layers[0].mlp.experts) is None
-    why = module_refusal(tiny_model("gpt_oss").model.layers[0].mlp.experts)
-    assert why is not None and ("GPT-OSS" in why or "bias" in why)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "qwen2_moe"])
+def test_silu_gated_families(family):
+    experts = next(m for n, m in tiny_model(family).named_modules() if n.endswith("mlp.experts"))
+    assert fused.module_gate(experts) == fused.Gate(fused.SILU, False)
+
+
+def test_gpt_oss_gate_is_probed_with_its_own_alpha_and_limit():
+    experts = tiny_model("gpt_oss").model.layers[0].mlp.experts
+    assert fused.module_gate(experts) == fused.Gate(fused.GPT_OSS, True, experts.alpha, experts.limit)
+
+
+def test_other_gates_are_refused_by_name():
+    class Clamped(torch.nn.Module):  # DeepSeek-V4's kind: SiLU-gated, but clamped
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate.clamp(max=5)) * up
+
+    assert "Clamped's gate is neither" in module_refusal(Clamped())
+    ungated = Clamped()
+    ungated.has_gate = False
+    assert "ungated" in module_refusal(ungated)
 
 
 def test_layouts_of_float_slots_read_in_place_with_strides():
@@ -60,11 +77,17 @@ def test_layouts_of_float_slots_read_in_place_with_strides():
             "down_proj": torch.zeros(S, H, I, dtype=torch.bfloat16)}
     lay = float_layout(pool, False)
     assert (lay.hidden, lay.inter, lay.size) == (H, I, S)
-    assert lay.up.row0 == I and lay.up.tensor is pool["gate_up_proj"]        # the same bytes, no copy
-    assert (lay.gate.row, lay.gate.col) == (H, 1)
+    assert lay.up.off == I * H and lay.up.tensor is pool["gate_up_proj"]      # the same bytes, no copy
+    assert (lay.gate.row, lay.gate.col, lay.biases) == (H, 1, None)
     t = float_layout({"gate_up_proj": torch.zeros(S, H, 2 * I), "down_proj": torch.zeros(S, I, H)}, True)
     assert (t.hidden, t.inter, t.gate.row, t.gate.col) == (H, I, 1, 2 * I)    # [in, out]: strides swap
-    assert "bias" in float_layout({**pool, "down_proj_bias": torch.zeros(S, H)}, False)
+    # GPT-OSS: [in, out], gate on even outputs, up on odd ones, biases likewise
+    oss = fused.Gate(fused.GPT_OSS, True, 1.702, 7.0)
+    t = float_layout({"gate_up_proj": torch.zeros(S, H, 2 * I), "down_proj": torch.zeros(S, I, H),
+                      "gate_up_proj_bias": torch.zeros(S, 2 * I), "down_proj_bias": torch.zeros(S, H)}, True, oss)
+    assert (t.gate.off, t.gate.row, t.up.off, t.up.row) == (0, 2, 1, 2)
+    assert [(b.step, b.off) for b in t.biases] == [(2, 0), (2, 1), (1, 0)]
+    assert "pool kinds" in float_layout({**pool, "up_proj_bias": torch.zeros(S, H)}, False)
     assert "float32, float16 or bfloat16" in float_layout({k: v.to(torch.int8) for k, v in pool.items()}, False)
 
 
@@ -86,19 +109,23 @@ def test_layouts_of_quantized_slots_address_ggml_rows(fmt):
     lay = quant_layout(pool, codec)
     row_bytes = quant_format(fmt).row_bytes(256)
     assert lay.gate.row == lay.down.row == row_bytes and lay.gate.slot == codec.part["g"].nbytes + 7
-    assert (lay.gate.fmt, lay.up.row0, lay.size, lay.dtype) == (fused.QUANT[fmt], 0, 5, torch.bfloat16)
+    assert (lay.gate.fmt, lay.up.off, lay.size, lay.dtype) == (fused.QUANT[fmt], 0, 5, torch.bfloat16)
     one = _codec(fmt, "one")
-    lay = quant_layout({p.name: torch.zeros(5, p.nbytes, dtype=torch.uint8) for p in one.parts}, one)
-    assert lay.gate.tensor is lay.up.tensor and lay.up.row0 == 256   # up rows after the gate rows
+    pool = {p.name: torch.zeros(5, p.nbytes, dtype=torch.uint8) for p in one.parts}
+    lay = quant_layout(pool, one)
+    assert lay.gate.tensor is lay.up.tensor and lay.up.off == 256 * row_bytes   # up rows after the gate rows
+    oss = quant_layout(pool, one, fused.Gate(fused.GPT_OSS, True, 1.702, 7.0))
+    assert (oss.gate.off, oss.up.off, oss.up.row) == (0, row_bytes, 2 * row_bytes)  # interleaved rows
 
 
 def test_quantized_refusals_name_the_reason():
     iq = _codec("IQ4_XS")
     pool = {p.name: torch.zeros(2, p.nbytes, dtype=torch.uint8) for p in iq.parts}
     assert "IQ4_XS" in quant_layout(pool, iq)
-    inter = _codec("Q4_K", "interleave")
+    inter = _codec("Q4_K", "interleave")   # GPT-OSS's join, with a first-half gate: not what the module reads
     pool = {p.name: torch.zeros(2, p.nbytes, dtype=torch.uint8) for p in inter.parts}
-    assert "'interleave'" in quant_layout(pool, inter)
+    assert "'interleave'" in quant_layout(pool, inter) and "first-half gate rows" in quant_layout(pool, inter)
+    assert isinstance(quant_layout(pool, inter, fused.Gate(fused.GPT_OSS, True, 1.702, 7.0)), fused.Layout)
 
 
 def test_the_report_says_which_kernel_runs_and_why(monkeypatch):
@@ -129,3 +156,22 @@ def test_no_triton_means_the_torch_path(monkeypatch):
         assert fused.device_refusal(torch.device("cuda")) == "Triton is not installed"
     finally:
         fused.triton_refusal.cache_clear()
+
+
+def test_bench_fused_rehearses_on_the_cpu(tmp_path, capsys):
+    """benchmarks/bench_fused.py --device cpu: toy sizes; here (no Triton) the fused rows say why
+    they are skipped and the old path is still timed."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_fused", Path(__file__).parents[1] / "benchmarks" / "bench_fused.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    figures = json.loads((tmp_path / "b.json").read_text())
+    assert {(r["format"], r["pool_rows"]) for r in figures["rows"]} == {(f, p) for f in ("bf16", "Q4_K") for p in (8, 16, 32)}
+    assert all(r["old_s"] > 0 and r["bytes_read_per_token"] > 0 for r in figures["rows"])
+    if fused.triton_refusal() is not None:
+        assert "the fused kernel's rows are skipped" in out

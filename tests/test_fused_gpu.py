@@ -144,8 +144,9 @@ def test_no_host_sync_and_a_cuda_graph_replays_it():
 
 @pytest.mark.parametrize("planner", ["host", "device"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_on_the_kernel_equals_plain(planner, dtype):
-    reference = tiny_model("qwen3_moe").to(dtype)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_decode_on_the_kernel_equals_plain(planner, dtype, family):
+    reference = tiny_model(family).to(dtype)
     ids = torch.randint(2, 96, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = copy.deepcopy(reference).to(CUDA).generate(ids.to(CUDA), max_new_tokens=10, do_sample=False)
@@ -153,4 +154,27 @@ def test_decode_on_the_kernel_equals_plain(planner, dtype):
         got = model.generate(ids.to(CUDA), max_new_tokens=10, do_sample=False)
     pool = model.expertcache.stats().pool
     assert pool["expert_kernel"] == fused.NAME, pool["expert_kernel_reason"]
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("family,types", [("qwen3_moe", ("Q4_K", "Q6_K")), ("gpt_oss", ("MXFP4", None))])
+def test_quantized_slots_decode_on_the_kernel_equals_dequantized_slots(tmp_path, family, types):
+    """GGUF experts (Q4_K_M's mix; GPT-OSS's MXFP4) in quantized slots on the kernel, no scratch:
+    greedy tokens equal dequantized slots on the torch path (float32 compute on both)."""
+    pytest.importorskip("gguf")
+    import expertcache
+    from gguf_models import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", family, types[0], down_type=types[1])
+    ids = torch.tensor([[3, 4, 5, 6, 7]], device=CUDA)
+    with torch.no_grad():
+        q = expertcache.offload(path, device="cuda", slots=6, slot_format="quantized", dtype=torch.float32)
+        got = q.generate(ids, max_new_tokens=8, do_sample=False)
+        assert q.expertcache.stats().pool["expert_kernel"] == fused.NAME, q.expertcache.stats().pool
+        fused.ENABLED = False
+        try:
+            d = expertcache.offload(path, device="cuda", slots=6, slot_format="dequantized", dtype=torch.float32)
+            want = d.generate(ids, max_new_tokens=8, do_sample=False)
+        finally:
+            fused.ENABLED = True
     assert torch.equal(got.cpu(), want.cpu())

@@ -113,6 +113,47 @@ def offloaded(planner: str) -> bool:
             and model.expertcache.summary()["planner"] == planner)
 
 
+def gpt_oss(planner: str) -> bool:
+    """GPT-OSS (transposed [in, out] slots, interleaved gate/up rows, biases, its clamped GLU) on the
+    kernel: greedy tokens equal plain transformers'."""
+    from expertcache import offload
+    from tiny_moe import tiny_model
+
+    ref = tiny_model("gpt_oss")
+    model = offload(copy.deepcopy(ref), slots=6, planner=planner)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    before = CALLS[0]
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=4, do_sample=False)
+        got = model.generate(ids, max_new_tokens=4, do_sample=False)
+    return torch.equal(want, got) and CALLS[0] > before and model.expertcache.stats().pool["expert_kernel"] == fused.NAME
+
+
+def gpt_oss_mxfp4(source: str) -> float:
+    """GPT-OSS's MXFP4 experts in quantized slots on the kernel against dequantized slots on the torch
+    path: from a GGUF (gate and up parts, F32 bias parts) or an HF checkpoint (repacked, one
+    interleaved gate_up part). Relative logits difference, float32 compute."""
+    import expertcache
+
+    folder = Path(tempfile.mkdtemp())
+    if source == "gguf":
+        from gguf_models import write_gguf
+        path = write_gguf(folder / "oss.gguf", "gpt_oss", "MXFP4")
+    else:
+        from test_hf_quant import write_gpt_oss_mxfp4
+        path = write_gpt_oss_mxfp4(folder / "oss", hidden=64)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    before = CALLS[0]
+    with torch.no_grad():
+        q = expertcache.offload(path, slots=6, slot_format="quantized", cpu_kernel="torch")
+        got = q(ids).logits
+        assert q.expertcache.stats().pool["expert_kernel"] == fused.NAME and CALLS[0] > before
+        fused.ENABLED = False
+        want = expertcache.offload(path, slots=6, slot_format="dequantized", cpu_kernel="torch")(ids).logits
+        fused.ENABLED = True
+    return rel(got, want)
+
+
 def gguf_q4_k_m() -> float:
     """A tiny GGUF in llama.cpp's Q4_K_M mix (Q4_K gate/up, Q6_K down), quantized slots on the kernel,
     against dequantized slots on the torch path: relative logits difference (float32 compute)."""
@@ -133,10 +174,49 @@ def gguf_q4_k_m() -> float:
     return rel(got, want)
 
 
+def compiled_for_sm90() -> dict:
+    """Both programs compiled for an H100/H200 (sm90) by Triton's own compiler, down to PTX and
+    ptxas' cubin, for every format: what the interpreter cannot see (it ran a kernel reading a plain
+    int global, which the compiler refuses). Needs no GPU. {format/dtype: True} or the error line."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def build(fn, types: dict, consts: dict):
+        names = fn.arg_names                                     # the kernel's own argument order
+        sig = {n: "constexpr" if n in consts else types[n] for n in names}
+        return triton.compile(ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()}),
+                              target=GPUTarget("cuda", 90, 32))
+
+    out = {}
+    cases = [(fmt, dt, 0) for fmt in range(6) for dt in (["bf16", "fp16", "fp32"] if fmt == 0 else ["bf16"])]
+    for fmt, dt, act in cases + [(0, "bf16", 1), (5, "bf16", 1)]:      # + GPT-OSS: float and MXFP4
+        w, a = (f"*{dt}" if fmt == 0 else "*u8"), f"*{dt}"
+        block = dict(PREC="ieee" if dt == "fp32" else "tf32", UPCAST=False, BM=16, BN=64, BK=64, HAS_BIAS=act == 1)
+        weight = lambda p: {f"{p}_ptr": w, f"{p}_slot": "i64", f"{p}_row": "i64", f"{p}_col": "i64", f"{p}_off": "i64"}
+        bias = lambda p: {f"{p}_ptr": "*fp32", f"{p}_slot": "i64", f"{p}_step": "i32", f"{p}_off": "i32"}
+        up = dict(x_ptr=a, pair_ptr="*i32", brow_ptr="*i32", act_ptr=a, **weight("g"), **weight("u"), **bias("gb"),
+                  **bias("ub"), alpha="fp32", limit="fp32", H="i32", I="i32", top_k="i32", num_pairs="i32")
+        down = dict(act_ptr=a, pair_ptr="*i32", brow_ptr="*i32", tw_ptr="*fp32", out_ptr="*fp32", **weight("d"),
+                    **bias("db"), H="i32", I="i32", num_pairs="i32")
+        try:
+            for fn, sig, consts in ((fused_kernels._gate_up, up, dict(FMT_G=fmt, FMT_U=fmt, ACT=act, **block)),
+                                    (fused_kernels._down, down, dict(FMT_D=fmt, **block))):
+                kernel = build(fn, sig, consts)
+                assert "cubin" in kernel.asm
+            out[f"{fmt}/{dt}/{act}"] = True
+        except Exception as e:  # noqa: BLE001  reported per case
+            out[f"{fmt}/{dt}/{act}"] = str(e).strip().splitlines()[-1][:300]
+    return out
+
+
 CALLS = [0]
 
 
 def main() -> None:
+    if sys.argv[1] == "compile":  # the real compiler, not the interpreter
+        print(json.dumps(compiled_for_sm90()))
+        return
     fused.device_refusal = (lambda device: None if fused.ENABLED else "off")  # the CPU let in, as CUDA
     real = fused_kernels.launch
 
@@ -157,6 +237,11 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             out[str(dtype).split(".")[-1]] = floats(dtype, False)
         out["float32 transposed"] = floats(torch.float32, True)
+    elif which == "gpt_oss":
+        out["host planner"] = gpt_oss("host")
+        out["device planner"] = gpt_oss("device")
+        out["gguf MXFP4"] = gpt_oss_mxfp4("gguf")
+        out["hf MXFP4"] = gpt_oss_mxfp4("hf")
     elif which == "models":
         out["host planner"] = offloaded("host")
         out["device planner"] = offloaded("device")

@@ -3,6 +3,9 @@
 subprocess with TRITON_INTERPRET=1 (tests/kernels/fused_cases.py), so the interpreter never reaches
 other tests' kernels. Shapes are small: the interpreter runs each program in numpy.
 
+A fourth subprocess compiles both programs for sm90 (H100/H200) with Triton's real compiler, to
+PTX and cubin, for every format: the interpreter accepts code the compiler refuses.
+
 Tolerances (relative to the largest output value):
 - float32 compute, every quantized format against gguf-py's dequantization and a float64 matmul:
   2e-5. The kernel decodes with the same float32 products as gguf-py, so what differs is the order
@@ -39,9 +42,10 @@ FLOAT32, FLOAT16, BFLOAT16 = 2e-5, 2e-3, 3e-2
 def started() -> dict[str, subprocess.Popen]:
     """The three groups, started together on first use (two cores: about 1.5x faster than in turn)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    compiler = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
     return {group: subprocess.Popen([sys.executable, str(CASES), group], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)
-            for group in ("models", "formats", "floats")}
+                                    stderr=subprocess.PIPE, text=True, env=compiler if group == "compile" else env)
+            for group in ("models", "gpt_oss", "compile", "formats", "floats")}
 
 
 @cache
@@ -71,8 +75,27 @@ def test_offloaded_decode_on_the_kernel_equals_plain(planner):
     assert run("models")[planner] is True
 
 
+@pytest.mark.parametrize("planner", ["host planner", "device planner"])
+def test_gpt_oss_decode_on_the_kernel_equals_plain(planner):
+    assert run("gpt_oss")[planner] is True
+
+
+@pytest.mark.parametrize("source", ["gguf MXFP4", "hf MXFP4"])
+def test_gpt_oss_mxfp4_on_the_kernel_equals_dequantized_slots(source):
+    assert run("gpt_oss")[source] < FLOAT32
+
+
 def test_gguf_q4_k_m_on_the_kernel_equals_dequantized_slots():
     assert run("models")["gguf Q4_K_M"] < FLOAT32
+
+
+@pytest.mark.parametrize("case", [f"{fmt}/{dt}/0" for fmt in range(6) for dt in (["bf16", "fp16", "fp32"] if fmt == 0
+                                                                                  else ["bf16"])]
+                         + ["0/bf16/1", "5/bf16/1"])
+def test_both_programs_compile_for_sm90(case):
+    """Triton's compiler (no GPU needed) for Hopper: format (0 float, then fused.QUANT's ids) / dtype /
+    activation (0 SiLU, 1 GPT-OSS's clamped GLU with biases)."""
+    assert run("compile")[case] is True
 
 
 def test_the_interpreter_truncates_to_bfloat16():

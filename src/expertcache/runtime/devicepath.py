@@ -115,9 +115,9 @@ class DevicePlanner(LaggedDriver):
 
 def slots_kernel(module: torch.nn.Module, pool: dict[str, torch.Tensor], transposed: bool):
     """``kernel(x [T, H], weights [T, K], rows [T, K]) -> [T, H]``: every pair on the pool's row;
-    fixed shapes, no host read. The fused Triton kernel where it serves (CUDA, SiLU-gated float
-    slots: ``runtime/fused.py``), whose work follows the pairs; otherwise one grouped matmul per
-    projection over all S + R rows (in windows of ``GROUPED_MAX_GROUPS``)."""
+    fixed shapes, no host read. The fused Triton kernel where it serves (CUDA, float slots of
+    SiLU-gated or GPT-OSS experts: ``runtime/fused.py``), whose work follows the pairs; otherwise
+    one grouped matmul per projection over all S + R rows (in windows of ``GROUPED_MAX_GROUPS``)."""
     layout = layout_for(module, pool, None, transposed)
     if isinstance(layout, Layout):
         return lambda x, weights, rows: fused_experts(x, weights, rows, layout)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# format ids, the ``FMT`` constexpr of the kernels (runtime/fused.py maps names to them)
-FLOAT, Q8_0, Q4_K, Q6_K, Q5_K, MXFP4 = 0, 1, 2, 3, 4, 5
+# format ids, the ``FMT`` constexpr of the kernels (runtime/fused.py maps names to them); globals a
+# kernel reads must be tl.constexpr (the compiler refuses plain ints, the interpreter does not)
+FLOAT, Q8_0, Q4_K, Q6_K, Q5_K, MXFP4 = (tl.constexpr(i) for i in range(6))
 
 
 @triton.jit
@@ -60,11 +61,21 @@ def q8_0(rowp, k, mask):
 
 
 @triton.jit
-def q4_k(rowp, k, mask):
+def _k_block(rowp, k, k0, BYTES: tl.constexpr):
+    """The 256-element block a K-quant tile lies in: its bytes per row ``p`` [1, BN] and each
+    column's index in it ``i`` [BK, 1]. A tile never straddles two blocks (k0 is a multiple of BK,
+    which divides 256), so the block's fp16 fields load once per row, not once per element."""
+    tl.static_assert(tl.constexpr(256) % k.shape[0] == 0)
+    b = k0 // 256
+    return rowp + b * BYTES, k - b * 256
+
+
+@triton.jit
+def q4_k(rowp, k, k0, mask):
     # 144 bytes a block of 256: fp16 d, fp16 dmin, 12 bytes of scales/mins, 128 bytes of nibbles;
-    # sub-block j (32 elements) is the low (j even) or high nibbles of bytes 32*(j//2)..+31
-    p = rowp + (k // 256) * 144
-    i = k % 256
+    # sub-block j (32 elements) is the low (j even) or high nibbles of bytes 32*(j//2)..+31.
+    # mask [1, BN]: the rows (K-quant rows are whole blocks: every column of a tile is in range)
+    p, i = _k_block(rowp, k, k0, 144)
     j = i // 32
     q = (_u8(p + 16 + (j // 2) * 32 + i % 32, mask) >> ((j % 2) * 4)) & 0xF
     sc, mn = _scale_min_k4(p + 4, j, mask)
@@ -72,11 +83,10 @@ def q4_k(rowp, k, mask):
 
 
 @triton.jit
-def q5_k(rowp, k, mask):
+def q5_k(rowp, k, k0, mask):
     # 176 bytes: fp16 d, fp16 dmin, 12 bytes of scales/mins, 32 bytes of fifth bits (bit j of
     # byte l for element 32j + l), 128 bytes of nibbles as Q4_K's
-    p = rowp + (k // 256) * 176
-    i = k % 256
+    p, i = _k_block(rowp, k, k0, 176)
     j = i // 32
     low = (_u8(p + 48 + (j // 2) * 32 + i % 32, mask) >> ((j % 2) * 4)) & 0xF
     high = (_u8(p + 16 + i % 32, mask) >> j) & 1
@@ -85,12 +95,11 @@ def q5_k(rowp, k, mask):
 
 
 @triton.jit
-def q6_k(rowp, k, mask):
+def q6_k(rowp, k, k0, mask):
     # 210 bytes: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales, fp16 d.
     # Element 128h + r: low nibble of byte 64h + r%64 (shifted by 4 for r >= 64), high pair of
     # byte 128 + 32h + r%32 (shifted by 2 * (r // 32)); scale i // 16
-    p = rowp + (k // 256) * 210
-    i = k % 256
+    p, i = _k_block(rowp, k, k0, 210)
     h = i // 128
     r = i % 128
     low = (_u8(p + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 0xF
@@ -118,18 +127,20 @@ def mxfp4(rowp, k, mask):
 
 
 @triton.jit
-def tile(ptr, rowp_offs, k, col_stride, mask, FMT: tl.constexpr):
-    """One weight tile [BK, BN] as float32 (FLOAT: in the pool's own dtype)."""
+def tile(ptr, rowp_offs, k, k0, col_stride, mask, nmask, FMT: tl.constexpr):
+    """One weight tile [BK, BN] as float32 (FLOAT: in the pool's own dtype): columns ``k`` [BK, 1]
+    from ``k0`` (a multiple of BK), rows ``rowp_offs`` [1, BN]; ``mask`` [BK, BN], ``nmask`` [1, BN]
+    the rows alone."""
     if FMT == FLOAT:
         w = tl.load(ptr + rowp_offs + k.to(tl.int64) * col_stride, mask=mask, other=0.0)
     elif FMT == Q8_0:
         w = q8_0(ptr + rowp_offs, k, mask)
     elif FMT == Q4_K:
-        w = q4_k(ptr + rowp_offs, k, mask)
+        w = q4_k(ptr + rowp_offs, k, k0, nmask)
     elif FMT == Q6_K:
-        w = q6_k(ptr + rowp_offs, k, mask)
+        w = q6_k(ptr + rowp_offs, k, k0, nmask)
     elif FMT == Q5_K:
-        w = q5_k(ptr + rowp_offs, k, mask)
+        w = q5_k(ptr + rowp_offs, k, k0, nmask)
     else:
         w = mxfp4(ptr + rowp_offs, k, mask)
     return w

@@ -8,7 +8,9 @@ Quantized experts (``runtime/quantized.py``) come in two slot formats: ``quantiz
 slots hold the stored bytes and ``view()`` dequantizes the slots a step reads into a
 scratch of the compute dtype; ``dequantized`` slots hold the compute dtype and
 ``load()`` copies the bytes into a small device buffer, then dequantizes into the slot.
-Either way only the quantized bytes cross from the host.
+Either way only the quantized bytes cross from the host. On CUDA with Triton the fused kernel
+(``runtime/fused.py``, ``fused_layout``) reads quantized slots' bytes in place instead of
+``view()``: no scratch.
 
 On CUDA, loads run on a dedicated copy stream from pinned host memory. Events keep it
 race-free without host syncs: each load records one, and compute reading freshly loaded
