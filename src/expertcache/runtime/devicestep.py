@@ -167,8 +167,9 @@ class DeviceStep:
         """Non-blocking copy of the step's ids [T, K] into the pinned routing buffer."""
         T = topk_ids.shape[0]
         self.routed[layer, :T].copy_(topk_ids, non_blocking=self.cuda)
-        if self.cuda and layer == self.num_layers - 1 and not torch.cuda.is_current_stream_capturing():
-            # inside a CUDA graph capture the replay's caller records the event (runtime/graphs.py)
+        if self.cuda and layer == self.num_layers - 1 and not torch.compiler.is_compiling() \
+                and not torch.cuda.is_current_stream_capturing():
+            # traced or captured, the caller records the event after the call (runtime/graphs.py)
             self.routed_event = torch.cuda.current_stream(self.device).record_event()
 
     def run(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

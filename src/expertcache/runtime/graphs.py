@@ -13,8 +13,8 @@ One generation::
         host: the lagged policy (DevicePlanner.begin_forward: observe the routing the last
               replay recorded to pinned memory, after its event; apply the slot changes due,
               a few batched copies on the stream, no sync)
-        replay: CUDA: torch.cuda.CUDAGraph.replay(); CPU: the step compiled whole,
-              torch.compile(fullgraph=True) (graphs="on")
+        replay: the step traced whole by torch.compile(fullgraph=True); CUDA: its kernels
+              captured in a torch.cuda.CUDAGraph and replayed; CPU: the compiled call itself
         host: sample the next token from the logits buffer (greedy, or transformers'
               temperature / top-k / top-p warpers and torch.multinomial: what generate does),
               write it into the ids buffer, read it back (the token's one wait)
@@ -208,14 +208,17 @@ class _Runner:
         graphs = self.graphs
         graphs.captures += 1
         try:
+            _room_for_runners()
+            # traced whole or raises (fullgraph): no silent break. On CUDA too: the capture then
+            # records the traced graph's kernels, so the code that runs is the code the CPU tests
+            # trace (transformers' eager-only branches, some with a host read, stay out)
+            fn = torch.compile(self._step, fullgraph=True, backend="eager" if self.cuda else CPU_BACKEND)
             if not self.cuda:
-                _room_for_runners()
-                fn = torch.compile(self._step, fullgraph=True, backend=CPU_BACKEND)
-                fn()  # traced whole or raises (fullgraph): no silent break
+                fn()
                 return fn
-            return _cuda_graph(self._step, self.cache.device)
+            return _cuda_graph(fn, self.cache.device)
         except Exception as err:  # noqa: BLE001  any failure to capture: decode on, eagerly, and say so
-            if not self.cuda:  # a graph break, refused by fullgraph=True
+            if isinstance(err, torch._dynamo.exc.Unsupported):  # a graph break, refused by fullgraph
                 graphs.breaks += 1
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if os.environ.get("EXPERTCACHE_GRAPH_DEBUG"):
@@ -236,10 +239,12 @@ def _room_for_runners() -> None:
 
 
 def _cuda_graph(step, device):
-    """Warm ``step`` up on a side stream, capture it, replay it once; returns the replay."""
+    """Warm ``step`` up on a side stream (it compiles there), capture it, replay it once;
+    returns the replay."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm-up: the same inputs, so its writes are the replay's
+        step()
         step()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
