@@ -17,8 +17,10 @@ transformers (the model before offload, same routing).
     python benchmarks/gpu_graphs.py --rehearse      # the CPU, toy sizes, under a minute
 
 On an H200 (the lead's lease): ``run(command="python benchmarks/gpu_graphs.py --json
-$OUT/gpu_graphs.json", carry=[".gpu-trace"], timeout_s=300)``; estimated 90-150 s (five
-builds of 15 GB on the device, four decode runs each).
+$OUT/gpu_graphs.json", carry=[".gpu-trace"], timeout_s=400)``; estimated 150-250 s (ten
+builds of 15 GB on the device, each pinning its experts; per build an eager and a replayed
+decode, the latter traced by dynamo first, 5-10 s for 12 layers). A quick set, about 60 s:
+``--rows resident,25 --batches 1``.
 """
 
 from __future__ import annotations
@@ -166,17 +168,17 @@ def main(argv=None) -> int:
     say(f"{'row':<16}{'B':>4}{'graphs':>8}{'tok/s':>10}{'hit':>7}{'H2D MB/tok':>12}{'bound':>10}{'frac':>7}"
         f"{'exact':>7}  note")
     for name in args.rows.split(","):
-        try:
-            model = build(size)
-            force.attach(model)
-            settings = row_settings(name, size, max(batches))
-            model = offload(model, planner="device", graphs="on", device=str(device), **settings)
-            cache = model.expertcache
-        except Exception as err:  # noqa: BLE001  a row that fails is printed; the rest still run
-            say(f"{name:<16} failed to build: {type(err).__name__}: {err}")
-            continue
-        for B in batches:
+        for B in batches:  # a cache per batch size: its staging rows are B x top-k a layer
             ids, ref = refs[B]
+            try:
+                model = build(size)
+                force.attach(model)
+                model = offload(model, planner="device", graphs="on", device=str(device),
+                                **row_settings(name, size, B))
+                cache = model.expertcache
+            except Exception as err:  # noqa: BLE001  a row that fails is printed; the rest still run
+                say(f"{name:<16}{B:>4}  failed to build: {type(err).__name__}: {err}")
+                continue
             for graphs in (False, True):
                 try:
                     cache.reset_stats()
@@ -185,9 +187,9 @@ def main(argv=None) -> int:
                 except Exception as err:  # noqa: BLE001
                     traceback.print_exc(limit=3)
                     say(f"{name:<16}{B:>4}{'on' if graphs else 'off':>8}  failed: {type(err).__name__}: {err}")
-        del model, cache
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            del model, cache
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps({"size": size, "bandwidth": bw, "rows": results}, indent=2))
     return 0
