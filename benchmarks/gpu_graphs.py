@@ -198,9 +198,9 @@ def main(argv=None) -> int:
 def report(name, B, graphs, out, ref, seconds, tokens, cache, dense, bw) -> dict:
     stats = cache.stats()
     decode = stats.total("decode")
-    steps = cache.planner.device_forwards + cache.planner.host_forwards
-    h2d = stats.h2d_bytes("decode") / max(steps - 1, 1)             # a decode step
-    read = dense + decode.accesses / max(steps - 1, 1) * cache.expert_bytes  # device bytes a step
+    steps = len(out[0]) - 1  # decode forwards since reset_stats (the first token is prefill's)
+    h2d = stats.h2d_bytes("decode") / steps                          # a decode step
+    read = dense + decode.accesses / steps * cache.expert_bytes      # device bytes a step
     bound = B / (read / bw["device_read"] + h2d / bw["h2d"])
     tok_s = B * tokens / seconds
     g = cache.graphs.summary()
