@@ -146,7 +146,13 @@ class DeviceStep:
                 self.pool[kind].narrow(0, first, W).copy_(rows)
             return
         for kind, dst in self.pool.items():
-            gather_rows(self.sources[layer][kind], staged, dst.narrow(0, first, W))
+            src = self.sources[layer][kind]
+            if src.shape[1:] == dst.shape[1:]:
+                gather_rows(src, staged, dst.narrow(0, first, W))
+            else:  # a layer's bytes narrower than the pool's rows (GGUF Q4_K_M): a row prefix
+                rows = src.new_zeros((W, *src.shape[1:]))
+                gather_rows(src, staged, rows)
+                dst.narrow(0, first, W)[:, :src.shape[1]].copy_(rows)
 
     def fetch(self, layer: int, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """The pool's weights [W, ...] of ``layer``'s experts ``rows`` [W] (E: sentinel, a row of
@@ -154,8 +160,14 @@ class DeviceStep:
         if self.decoders is None:
             out = {}
             for kind, dst in self.pool.items():
-                out[kind] = dst.new_empty((rows.shape[0], *dst.shape[1:]))
-                gather_rows(self.sources[layer][kind], rows, out[kind])
+                src = self.sources[layer][kind]
+                out[kind] = dst.new_zeros((rows.shape[0], *dst.shape[1:]))
+                if src.shape[1:] == dst.shape[1:]:
+                    gather_rows(src, rows, out[kind])
+                else:  # a layer's bytes narrower than the pool's rows: a row prefix
+                    part = src.new_zeros((rows.shape[0], *src.shape[1:]))
+                    gather_rows(src, rows, part)
+                    out[kind][:, :src.shape[1]] = part
             return out
         raw = {}
         for part, src in self.sources[layer].items():   # [W, bytes]: zeros for sentinel rows
