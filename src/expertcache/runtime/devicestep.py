@@ -98,6 +98,8 @@ class DeviceStep:
         self.blocks, self.width = blocks, self.staging // blocks  # layer l stages into block l % blocks
         self.device = next(iter(pool.values())).device
         self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            prepare_triton()  # now, not first inside a traced step
         # L layers, E experts: slot of each expert, -1 when not resident
         self.slot_map = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int32,
                                    device=self.device)
@@ -456,10 +458,25 @@ def cuda_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return view
 
 
+_TRITON: list[bool] = []  # [whether triton imports], filled once, eagerly (prepare_triton)
+
+
+def prepare_triton() -> bool:
+    """Import Triton and define the copy kernel once, outside any trace: code that
+    ``torch.compile`` traces then only reads these module lists (runtime/graphs.py)."""
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+            _TRITON.append(True)
+        except ImportError:
+            _TRITON.append(False)
+    if _TRITON[0]:
+        _copy_rows_kernel()
+    return _TRITON[0]
+
+
 def _triton_ok(src: torch.Tensor, out: torch.Tensor) -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not prepare_triton():
         return False
     return src.is_contiguous() and out.is_contiguous() and src.dtype == out.dtype
 
@@ -469,6 +486,15 @@ _KERNEL = []
 
 def _triton_gather(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
     """Masked row copy on a fixed grid (W rows x blocks): a sentinel row loads and stores nothing."""
+    kernel = _copy_rows_kernel()
+    W, E = rows.shape[0], src.shape[0]
+    row_elems = src[0].numel()
+    BLOCK = 4096
+    grid = (W, (row_elems + BLOCK - 1) // BLOCK)
+    kernel[grid](src, rows, out, row_elems, E, BLOCK=BLOCK)
+
+
+def _copy_rows_kernel():
     if not _KERNEL:
         import triton
         import triton.language as tl
@@ -484,8 +510,4 @@ def _triton_gather(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> 
             tl.store(out_ptr + i.to(tl.int64) * row_elems + offs, vals, mask=mask)
 
         _KERNEL.append(copy_rows)
-    W, E = rows.shape[0], src.shape[0]
-    row_elems = src[0].numel()
-    BLOCK = 4096
-    grid = (W, (row_elems + BLOCK - 1) // BLOCK)
-    _KERNEL[0][grid](src, rows, out, row_elems, E, BLOCK=BLOCK)
+    return _KERNEL[0]
