@@ -246,3 +246,49 @@ def _no_sync(fn):
             torch.cuda.set_sync_debug_mode(0)
     call._checked = True
     return call
+
+
+def test_cuda_capture_protocol_with_fakes(monkeypatch):
+    """The CUDA-only lines (graphs._cuda_graph) on fakes: two warm-ups on a side stream, each
+    rewound (transformers' static layers advance their own position counter inside the step:
+    5.17 and 5.2x alike), the capture, one replay; the state moves by exactly one step."""
+    import contextlib
+    import types
+
+    counter, log = torch.zeros((), dtype=torch.long), []
+
+    def step():
+        counter.add_(1)
+        log.append("step")
+
+    kept = counter.clone()
+
+    class FakeGraph:
+        def replay(self):
+            step()
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: log.append("wait"))
+    fake = types.SimpleNamespace(Stream=lambda device: stream, current_stream=lambda device: stream,
+                                 stream=lambda s: contextlib.nullcontext(), CUDAGraph=FakeGraph,
+                                 graph=lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(graphs_mod.torch, "cuda", fake)
+    replay = graphs_mod._cuda_graph(step, "cuda", lambda: counter.copy_(kept))
+    assert int(counter) == 1 and log == ["wait", "step", "step", "wait", "step", "step"]
+    replay()
+    assert int(counter) == 2
+
+
+def test_runner_rewinds_the_static_cache_counters(qwen):
+    """What the rewind puts back: every static layer's position counter (a tensor in 5.17 and
+    5.2x), found on the runner's own cache."""
+    model = offload(copy.deepcopy(qwen), planner="device", slots=8, graphs="on")
+    runner = model.expertcache.graphs.runner(model, 1, 20)
+    with torch.no_grad():
+        runner.prefill(_ids(1))
+    counters = [layer.cumulative_length for layer in runner.kv.layers]
+    assert all(isinstance(c, torch.Tensor) and int(c) == 7 for c in counters)
+    rewind = runner._counters()
+    for c in counters:
+        c.add_(3)
+    rewind()
+    assert [int(c) for c in counters] == [7] * len(counters)

@@ -202,6 +202,18 @@ class _Runner:
         out = self.model.forward(input_ids=self.ids, **self._kwargs(cache_position=self.position))
         self.logits.copy_(out.logits[:, -1])
 
+    def _counters(self):
+        """A function that puts the static cache's own position counters (transformers 5.2x
+        keeps one per layer, advanced inside the step) back where they are now: the warm-up
+        runs before a capture must not move them."""
+        kept = [(t, t.clone()) for t in (getattr(layer, "cumulative_length", None) for layer in self.kv.layers)
+                if isinstance(t, torch.Tensor)]
+
+        def rewind():
+            for tensor, value in kept:
+                tensor.copy_(value)
+        return rewind
+
     def _capture(self):
         """Capture (CUDA) or compile (CPU) the step; it has run once when this returns. Where
         that fails the step runs eagerly from now on and ``summary()['reason']`` says why."""
@@ -216,7 +228,7 @@ class _Runner:
             if not self.cuda:
                 fn()
                 return fn
-            return _cuda_graph(fn, self.cache.device)
+            return _cuda_graph(fn, self.cache.device, self._counters())
         except Exception as err:  # noqa: BLE001  any failure to capture: decode on, eagerly, and say so
             if isinstance(err, torch._dynamo.exc.Unsupported):  # a graph break, refused by fullgraph
                 graphs.breaks += 1
@@ -238,18 +250,20 @@ def _room_for_runners() -> None:
     setattr(config, name, max(getattr(config, name), 256))
 
 
-def _cuda_graph(step, device):
+def _cuda_graph(step, device, rewind=lambda: None):
     """Warm ``step`` up on a side stream (it compiles there), capture it, replay it once;
-    returns the replay."""
+    returns the replay. ``rewind()`` after each warm-up undoes what a run advances itself."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm-up: the same inputs, so its writes are the replay's
-        step()
-        step()
+        for _ in range(2):
+            step()
+            rewind()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    rewind()  # a no-op after a real capture (nothing ran); kept so a fake capture that runs is exact
     graph.replay()
     return graph.replay
 
