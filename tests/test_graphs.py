@@ -122,6 +122,8 @@ def test_eager_fallbacks_say_why(qwen):
     on = offload(copy.deepcopy(qwen), slots=8, planner="device", graphs="on")  # staging: 2 a layer
     assert "a batch of 4 needs" in on.expertcache.graphs.refusal(on, 4, Sampling())
     assert on.expertcache.graphs.refusal(on, 1, Sampling()) is None
+    on.generation_config.repetition_penalty = 1.3  # a processor the replayed loop does not run
+    assert "repetition_penalty=1.3" in on.expertcache.graphs.refusal(on, 1, Sampling())
     with pytest.raises(ValueError, match="unknown graphs 'always'"):
         offload(copy.deepcopy(qwen), slots=8, graphs="always")
 

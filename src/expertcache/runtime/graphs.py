@@ -44,7 +44,8 @@ CPU_BACKEND = os.environ.get("EXPERTCACHE_GRAPH_BACKEND", "eager")
 _UNSUPPORTED = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
                 "begin_suppress_tokens", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
                 "sequence_bias", "encoder_repetition_penalty", "min_p", "typical_p", "epsilon_cutoff",
-                "eta_cutoff")
+                "eta_cutoff", "min_length", "exponential_decay_length_penalty", "guidance_scale",
+                "watermarking_config")
 _NEUTRAL = (None, 0, 1.0, [], ())
 
 
