@@ -269,10 +269,10 @@ def _cuda_graph(step, device, rewind=lambda: None):
     return graph.replay
 
 
-def _warpers(sampling) -> list:
-    """transformers' own warpers, in generate's order (temperature, top-k, top-p); [] for greedy."""
+def _warpers(sampling) -> list | None:
+    """transformers' own warpers, in generate's order (temperature, top-k, top-p); None: greedy."""
     if sampling.greedy:
-        return []
+        return None
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
     warpers = [] if sampling.temperature == 1.0 else [TemperatureLogitsWarper(float(sampling.temperature))]
@@ -280,14 +280,15 @@ def _warpers(sampling) -> list:
         warpers.append(TopKLogitsWarper(int(sampling.top_k)))
     if sampling.top_p < 1.0:
         warpers.append(TopPLogitsWarper(float(sampling.top_p)))
-    return warpers + [None]  # None: sample (greedy has no entry)
+    return warpers
 
 
-def _pick(logits: torch.Tensor, warpers: list) -> torch.Tensor:
-    """Next tokens [B] from logits [B, V]: argmax, or the warpers then one multinomial draw."""
-    if not warpers:
+def _pick(logits: torch.Tensor, warpers: list | None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]: argmax (greedy), or the warpers then one multinomial
+    draw from torch's generator, as generate samples."""
+    if warpers is None:
         return logits.argmax(-1)
     scores = logits
-    for warp in warpers[:-1]:
+    for warp in warpers:
         scores = warp(None, scores)
     return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
