@@ -66,8 +66,10 @@ class DecodeGraphs:
         cache = self.cache
         if self.mode == "off":
             return "graphs='off': decode runs eagerly"
+        if cache.planner is None and cache.config.planner == "host":
+            return "capture needs planner='device' (the host planner reads each step's routing back)"
         if cache.planner is None:
-            return f"capture needs planner='device' (each host-planned step reads its routing back); {cache.planner_reason}"
+            return f"capture needs the device planner; {cache.planner_reason}"
         if self.mode == "auto" and cache.device.type != "cuda":
             return "graphs='auto' captures on CUDA only; on the CPU give graphs='on' (the step compiled whole)"
         return None
