@@ -232,7 +232,7 @@ def test_cuda_graph_decode_equals_plain(qwen, batch):
             runner.fn = _no_sync(runner.fn)
             got.append(runner.decode(picked[-1]))
             picked.append(got[-1].argmax(-1))
-    assert graphs.summary()["reason"] is None and graphs.summary()["breaks"] == 0
+    assert graphs.summary()["reason"] is None and graphs.summary()["breaks"] == 0, graphs.summary()
     assert torch.equal(torch.stack(picked, 1).cpu(), tokens.cpu())
     assert (torch.stack(got).cpu() - logits.cpu()).abs().max().item() <= 1e-4
 
