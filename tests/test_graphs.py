@@ -227,6 +227,7 @@ def test_cuda_graph_decode_equals_plain(qwen, batch):
         picked = [got[-1].argmax(-1)]
         got.append(runner.decode(picked[-1]))      # captures
         picked.append(got[-1].argmax(-1))
+        assert graphs.summary()["reason"] is None, graphs.summary()  # else decode fell back to eager
         for _ in range(N - 2):
             torch.cuda.synchronize()
             runner.fn = _no_sync(runner.fn)
