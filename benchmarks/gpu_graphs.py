@@ -17,8 +17,10 @@ transformers (the model before offload, same routing).
     python benchmarks/gpu_graphs.py --rehearse      # the CPU, toy sizes, under a minute
 
 On an H200 (the lead's lease): ``run(command="python benchmarks/gpu_graphs.py --json
-$OUT/gpu_graphs.json", carry=[".gpu-trace"], timeout_s=300)``; estimated 90-150 s (five
-builds of 15 GB on the device, four decode runs each).
+$OUT/gpu_graphs.json", carry=[".gpu-trace"], timeout_s=400)``; estimated 150-250 s (ten
+builds of 15 GB on the device, each pinning its experts; per build an eager and a replayed
+decode, the latter traced by dynamo first, 5-10 s for 12 layers). A quick set, about 60 s:
+``--rows resident,25 --batches 1``.
 """
 
 from __future__ import annotations
@@ -181,17 +183,17 @@ def main(argv=None) -> int:
     say(f"{'row':<16}{'B':>4}{'graphs':>8}{'tok/s':>10}{'hit':>7}{'H2D MB/tok':>12}{'bound':>10}{'frac':>7}"
         f"{'exact':>7}  note")
     for name in args.rows.split(","):
-        try:
-            model = build(size)
-            force.attach(model)
-            settings = row_settings(name, size, max(batches))
-            model = offload(model, planner="device", graphs="on", device=str(device), **settings)
-            cache = model.expertcache
-        except Exception as err:  # noqa: BLE001  a row that fails is printed; the rest still run
-            say(f"{name:<16} failed to build: {type(err).__name__}: {err}")
-            continue
-        for B in batches:
+        for B in batches:  # a cache per batch size: its staging rows are B x top-k a layer
             ids, ref = refs[B]
+            try:
+                model = build(size)
+                force.attach(model)
+                model = offload(model, planner="device", graphs="on", device=str(device),
+                                **row_settings(name, size, B))
+                cache = model.expertcache
+            except Exception as err:  # noqa: BLE001  a row that fails is printed; the rest still run
+                say(f"{name:<16}{B:>4}  failed to build: {type(err).__name__}: {err}")
+                continue
             for graphs in (False, True):
                 try:
                     cache.reset_stats()
@@ -200,8 +202,8 @@ def main(argv=None) -> int:
                 except Exception as err:  # noqa: BLE001
                     traceback.print_exc(limit=3)
                     say(f"{name:<16}{B:>4}{'on' if graphs else 'off':>8}  failed: {type(err).__name__}: {err}")
-        del model, cache
-        release(device)
+            del model, cache
+            release(device)
     if args.json:
         Path(args.json).write_text(json.dumps({"size": size, "bandwidth": bw, "rows": results}, indent=2))
     return 0
@@ -210,9 +212,9 @@ def main(argv=None) -> int:
 def report(name, B, graphs, out, ref, seconds, tokens, cache, dense, bw) -> dict:
     stats = cache.stats()
     decode = stats.total("decode")
-    steps = cache.planner.device_forwards + cache.planner.host_forwards
-    h2d = stats.h2d_bytes("decode") / max(steps - 1, 1)             # a decode step
-    read = dense + decode.accesses / max(steps - 1, 1) * cache.expert_bytes  # device bytes a step
+    steps = len(out[0]) - 1  # decode forwards since reset_stats (the first token is prefill's)
+    h2d = stats.h2d_bytes("decode") / steps                          # a decode step
+    read = dense + decode.accesses / steps * cache.expert_bytes      # device bytes a step
     bound = B / (read / bw["device_read"] + h2d / bw["h2d"])
     tok_s = B * tokens / seconds
     g = cache.graphs.summary()

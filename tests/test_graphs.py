@@ -122,6 +122,8 @@ def test_eager_fallbacks_say_why(qwen):
     on = offload(copy.deepcopy(qwen), slots=8, planner="device", graphs="on")  # staging: 2 a layer
     assert "a batch of 4 needs" in on.expertcache.graphs.refusal(on, 4, Sampling())
     assert on.expertcache.graphs.refusal(on, 1, Sampling()) is None
+    on.generation_config.repetition_penalty = 1.3  # a processor the replayed loop does not run
+    assert "repetition_penalty=1.3" in on.expertcache.graphs.refusal(on, 1, Sampling())
     with pytest.raises(ValueError, match="unknown graphs 'always'"):
         offload(copy.deepcopy(qwen), slots=8, graphs="always")
 
@@ -163,11 +165,15 @@ def test_cli_graphs_on_equals_off(checkpoint, tmp_path, capsys):
     assert stop not in cut and on.startswith(cut.rstrip())
 
 
-@pytest.mark.parametrize("qtype,down", [("Q8_0", None), ("Q4_K", ["Q6_K", "Q4_K"])], ids=["q8_0", "q4_k_m"])
-def test_gguf_dequantized_slots_take_the_device_path(tmp_path, qtype, down):
-    """A GGUF's experts with dequantized slots: staged and loaded as their bytes (each layer its
-    own type, as in Q4_K_M), dequantized on the device; eager and replayed decode equal
-    transformers' own loading of the file. Quantized slots are refused with the reason."""
+@pytest.mark.slow  # 6-25 s a case on 2 busy cores: the transformers reference dequantizes the file
+@pytest.mark.parametrize("qtype,down,slot_format", [
+    ("Q8_0", None, "dequantized"), ("Q4_K", ["Q6_K", "Q4_K"], "dequantized"),
+    ("Q4_K", ["Q6_K", "Q4_K"], "quantized")], ids=["q8_0-dequantized", "q4_k_m-dequantized", "q4_k_m-quantized"])
+def test_gguf_slots_take_the_device_path(tmp_path, qtype, down, slot_format):
+    """A GGUF's experts on the device path: staged and loaded as their bytes (each layer its
+    own type, as in Q4_K_M); dequantized slots dequantize them as they land, quantized slots
+    keep the bytes and dequantize the step's rows inside it. Eager and replayed decode equal
+    transformers' own loading of the file."""
     import expertcache
     from gguf_models import write_gguf
     from test_gguf import reference
@@ -180,7 +186,7 @@ def test_gguf_dequantized_slots_take_the_device_path(tmp_path, qtype, down):
     ref = reference(path)
     with torch.no_grad():
         want = ref.generate(prompt, max_new_tokens=N, do_sample=False)[:, prompt.shape[1]:]
-    settings = dict(slots=6, slot_format="dequantized", cpu_kernel="torch", planner="device")
+    settings = dict(slots=6, slot_format=slot_format, cpu_kernel="torch", planner="device")
     eager = expertcache.offload(path, **settings)
     assert eager.expertcache.summary()["planner"] == "device", eager.expertcache.planner_reason
     with torch.no_grad():
@@ -198,5 +204,124 @@ def test_gguf_dequantized_slots_take_the_device_path(tmp_path, qtype, down):
     replayed = expertcache.offload(path, graphs="on", **settings)
     tokens, _ = _replayed(replayed, prompt)
     assert torch.equal(tokens, want) and replayed.expertcache.graphs.summary()["breaks"] == 0
-    quantized = expertcache.offload(path, slots=6, slot_format="quantized", cpu_kernel="torch", planner="device")
-    assert "slot format 'quantized'" in quantized.expertcache.planner_reason
+    assert replayed.expertcache.summary()["slot_format"] == slot_format
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cuda_graph_decode_equals_plain(qwen, batch):
+    """On CUDA: the step captured in a CUDA graph, replayed once a token; tokens equal plain
+    transformers' and logits within 1e-4 at 25 % slots; the replays themselves make no sync
+    (sync debug mode 'error' around them; the host's one wait a token is the token read)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    ids = _ids(batch)
+    tokens, logits = _plain(copy.deepcopy(qwen).to("cuda"), ids.to("cuda"))
+    model = offload(copy.deepcopy(qwen), slots=4, staging=2 * batch, planner="device", graphs="auto",
+                    device="cuda")
+    graphs = model.expertcache.graphs
+    assert graphs.how == "cuda-graph" and graphs.refusal(model, batch, Sampling()) is None
+    runner = graphs.runner(model, batch, ids.shape[1] + N)
+    with torch.no_grad():
+        got = [runner.prefill(ids.to("cuda"))]
+        picked = [got[-1].argmax(-1)]
+        got.append(runner.decode(picked[-1]))      # captures
+        picked.append(got[-1].argmax(-1))
+        assert graphs.summary()["reason"] is None, graphs.summary()  # else decode fell back to eager
+        for _ in range(N - 2):
+            torch.cuda.synchronize()
+            runner.fn = _no_sync(runner.fn)
+            got.append(runner.decode(picked[-1]))
+            picked.append(got[-1].argmax(-1))
+    assert graphs.summary()["reason"] is None and graphs.summary()["breaks"] == 0, graphs.summary()
+    assert torch.equal(torch.stack(picked, 1).cpu(), tokens.cpu())
+    assert (torch.stack(got).cpu() - logits.cpu()).abs().max().item() <= 1e-4
+
+
+def _no_sync(fn):
+    if getattr(fn, "_checked", False):
+        return fn
+
+    def call(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    call._checked = True
+    return call
+
+
+def test_cuda_capture_protocol_with_fakes(monkeypatch):
+    """The CUDA-only lines (graphs._cuda_graph) on fakes: two warm-ups on a side stream, each
+    rewound (transformers' static layers advance their own position counter inside the step:
+    5.17 and 5.2x alike), the capture, one replay; the state moves by exactly one step."""
+    import contextlib
+    import types
+
+    counter, log = torch.zeros((), dtype=torch.long), []
+
+    def step():
+        counter.add_(1)
+        log.append("step")
+
+    kept = counter.clone()
+
+    class FakeGraph:
+        def replay(self):
+            step()
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: log.append("wait"))
+    fake = types.SimpleNamespace(Stream=lambda device: stream, current_stream=lambda device: stream,
+                                 stream=lambda s: contextlib.nullcontext(), CUDAGraph=FakeGraph,
+                                 graph=lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(graphs_mod.torch, "cuda", fake)
+    replay = graphs_mod._cuda_graph(step, "cuda", lambda: counter.copy_(kept))
+    assert int(counter) == 1 and log == ["wait", "step", "step", "wait", "step", "step"]
+    replay()
+    assert int(counter) == 2
+
+
+def test_runner_rewinds_the_static_cache_counters(qwen):
+    """What the rewind puts back: every static layer's position counter (a tensor in 5.17 and
+    5.2x), found on the runner's own cache."""
+    model = offload(copy.deepcopy(qwen), planner="device", slots=8, graphs="on")
+    runner = model.expertcache.graphs.runner(model, 1, 20)
+    with torch.no_grad():
+        runner.prefill(_ids(1))
+    counters = [layer.cumulative_length for layer in runner.kv.layers]
+    assert all(isinstance(c, torch.Tensor) and int(c) == 7 for c in counters)
+    rewind = runner._counters()
+    for c in counters:
+        c.add_(3)
+    rewind()
+    assert [int(c) for c in counters] == [7] * len(counters)
+
+
+def test_cuda_captures_the_eager_step_where_dynamo_refuses(qwen, monkeypatch):
+    """On CUDA a step dynamo cannot trace whole is still captured: the eager step itself (it
+    reads nothing back), and the summary says how. Faked on the CPU: the compiled step raises a
+    graph break, the capture is a plain call."""
+    model = offload(copy.deepcopy(qwen), planner="device", slots=8, graphs="on")
+    graphs = model.expertcache.graphs
+    runner = graphs.runner(model, 1, 20)
+    runner.cuda = True
+
+    def refused(*args, **kwargs):
+        raise torch._dynamo.exc.Unsupported("torch.* op returned non-Tensor (faked)")
+
+    captured = []
+
+    def fake_capture(step, device, rewind=lambda: None):
+        step()
+        captured.append(step)
+        return step
+
+    monkeypatch.setattr(graphs_mod.torch, "compile", lambda fn, **kw: refused)
+    monkeypatch.setattr(graphs_mod, "_cuda_graph", fake_capture)
+    with torch.no_grad():
+        runner.prefill(torch.tensor([[5, 6, 7]]))
+        runner.fn = runner._capture()
+    assert captured == [runner._step] and runner.fn == runner._step   # the eager step, captured
+    assert graphs.breaks == 1 and graphs.how.startswith("cuda-graph of the eager step (dynamo refused it")
+    assert graphs.refused is None

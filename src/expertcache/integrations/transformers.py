@@ -37,7 +37,9 @@ def offload(model_or_path, *, config: CacheConfig | None = None, **settings):
     'mmap') for quantized experts, ``cpu_kernel`` ('auto', 'ggml', 'torch': how quantized experts
     computed on the CPU do their math, docs/cpu.md), ``hardware`` (a preset or probe profile) for the cost
     model of ``miss='auto'``, ``planner`` ('host', or 'device': decode steps on the device, the
-    policy ``lag`` forwards behind, staging rows in ``staging_blocks`` blocks; docs/runtime.md).
+    policy ``lag`` forwards behind, staging rows in ``staging_blocks`` blocks, by default one
+    per layer; docs/runtime.md), ``graphs`` ('auto', 'on', 'off': decode replayed from a
+    captured step with the device planner, ``model.expertcache.graphs``; 'auto' on CUDA).
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """
     if config is not None and settings:

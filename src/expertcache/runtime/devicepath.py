@@ -14,9 +14,10 @@ host-side ``expertcache.lagged.LaggedTable``:
 - on the device path each MoE layer's step is ``DeviceStep.run`` with ``slots_kernel``: no
   host read, no data-dependent shape, so the block compiles with ``fullgraph=True``.
 
-Plain slots (float experts) and dequantized slots (a GGUF's experts cross as their bytes and
-are dequantized on the device as they are staged or loaded) with miss path ``fetch`` take the
-device path; other configurations keep the host planner (``planner_reason`` says why).
+Plain slots (float experts), dequantized slots (a GGUF's experts cross as their bytes and
+are dequantized on the device as they are staged or loaded) and quantized slots (the step's
+rows dequantized into a scratch inside the step) with miss path ``fetch`` take the device
+path; other configurations keep the host planner (``planner_reason`` says why).
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ def settings_refusal(cache) -> str | None:
     """Why ``cache``'s settings rule the device planner out (before the pool exists), or None."""
     if cache.host_resident:
         return "every expert is computed on the host's bytes (resident, ggml): no slots to plan"
-    if cache.slot_format == "quantized":
-        return ("slot format 'quantized': the device step stages plain or dequantized slots (give "
-                "slot_format='dequantized'; quantized slots wait for the fused kernel, issue 31)")
+    if cache.direct:
+        return "quantized slots on the CPU are computed by ggml in place; the device step's kernel is torch's"
     if cache.miss != "fetch":
         return f"miss path {cache.miss!r} computes misses on the host; the device step fetches them"
     return None
@@ -90,8 +90,29 @@ class DevicePlanner(LaggedDriver):
     def run(self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor) -> torch.Tensor:
         """One MoE layer's step on the device (``DeviceStep.run``); no host read."""
+        if self.cache.slot_format == "quantized":
+            return self._run_quantized(layer, module, hidden, top_k_index, top_k_weights)
         kernel = slots_kernel(module, self.step.pool, self.transposed)
         return self.step.run(layer, hidden, top_k_weights, top_k_index, kernel)
+
+    def _run_quantized(self, layer, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        """Quantized slots: the step's T x K pool rows dequantized into a scratch of N = T x K
+        rows, then the kernel over the scratch (fixed shapes, no host read). Interim, until a
+        kernel reads the quantized rows itself (issue 31): an expert picked by two tokens is
+        dequantized twice."""
+        # T tokens, K top-k, N = T*K pairs
+        step, codec = self.step, self.cache.hosts[layer].codec
+        rows, staged = step.remap(layer, top_k_index)                       # [T, K] pool rows
+        step.stage(layer, staged)
+        step.record(layer, top_k_index)
+        fused = self.cache.pool.fused_layout(module, self.cache.hosts[layer])
+        if fused is not None:  # the fused kernel reads the quantized rows in place: no scratch
+            return fused_experts(hidden, top_k_weights, rows, fused)
+        flat = rows.reshape(-1).long()                                       # [N]
+        size = codec.part  # this layer's bytes per part: a prefix of each (largest-sized) row
+        scratch = codec.decode({k: t.index_select(0, flat)[:, :size[k].nbytes] for k, t in step.pool.items()})
+        local = torch.arange(flat.shape[0], device=flat.device).view(rows.shape)  # [T, K] scratch rows
+        return slots_kernel(module, scratch, False)(hidden, top_k_weights, local)
 
     # -- counters -------------------------------------------------------------------------------
     def stats(self) -> Stats:
@@ -158,7 +179,10 @@ def _mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tenso
     what gpu_check's real-size device rows exercise."""
     w = w if transposed else w.transpose(-2, -1)                          # [S+R, in, out]
     cuda = w.device.type == "cuda"
-    if (cuda and fast_grouped_mm("cuda", w.dtype, torch.cuda.get_device_capability(w.device))) or \
+    # the capability from get_device_properties, which dynamo folds to a constant (it does not
+    # fold get_device_capability: the step would not trace whole)
+    props = torch.cuda.get_device_properties(w.device) if cuda else None
+    if (cuda and fast_grouped_mm("cuda", w.dtype, (props.major, props.minor))) or \
             (not cuda and not torch.compiler.is_compiling()):
         return _grouped_windows(x, w, offs, order)
     return torch.bmm(x.unsqueeze(1), w.index_select(0, order)).squeeze(1)  # [N, out]

@@ -98,6 +98,8 @@ class DeviceStep:
         self.blocks, self.width = blocks, self.staging // blocks  # layer l stages into block l % blocks
         self.device = next(iter(pool.values())).device
         self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            prepare_triton()  # now, not first inside a traced step
         # L layers, E experts: slot of each expert, -1 when not resident
         self.slot_map = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int32,
                                    device=self.device)
@@ -146,7 +148,13 @@ class DeviceStep:
                 self.pool[kind].narrow(0, first, W).copy_(rows)
             return
         for kind, dst in self.pool.items():
-            gather_rows(self.sources[layer][kind], staged, dst.narrow(0, first, W))
+            src = self.sources[layer][kind]
+            if src.shape[1:] == dst.shape[1:]:
+                gather_rows(src, staged, dst.narrow(0, first, W))
+            else:  # a layer's bytes narrower than the pool's rows (GGUF Q4_K_M): a row prefix
+                rows = src.new_zeros((W, *src.shape[1:]))
+                gather_rows(src, staged, rows)
+                dst.narrow(0, first, W)[:, :src.shape[1]].copy_(rows)
 
     def fetch(self, layer: int, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """The pool's weights [W, ...] of ``layer``'s experts ``rows`` [W] (E: sentinel, a row of
@@ -154,8 +162,14 @@ class DeviceStep:
         if self.decoders is None:
             out = {}
             for kind, dst in self.pool.items():
-                out[kind] = dst.new_empty((rows.shape[0], *dst.shape[1:]))
-                gather_rows(self.sources[layer][kind], rows, out[kind])
+                src = self.sources[layer][kind]
+                out[kind] = dst.new_zeros((rows.shape[0], *dst.shape[1:]))
+                if src.shape[1:] == dst.shape[1:]:
+                    gather_rows(src, rows, out[kind])
+                else:  # a layer's bytes narrower than the pool's rows: a row prefix
+                    part = src.new_zeros((rows.shape[0], *src.shape[1:]))
+                    gather_rows(src, rows, part)
+                    out[kind][:, :src.shape[1]] = part
             return out
         raw = {}
         for part, src in self.sources[layer].items():   # [W, bytes]: zeros for sentinel rows
@@ -167,8 +181,9 @@ class DeviceStep:
         """Non-blocking copy of the step's ids [T, K] into the pinned routing buffer."""
         T = topk_ids.shape[0]
         self.routed[layer, :T].copy_(topk_ids, non_blocking=self.cuda)
-        if self.cuda and layer == self.num_layers - 1 and not torch.cuda.is_current_stream_capturing():
-            # inside a CUDA graph capture the replay's caller records the event (runtime/graphs.py)
+        if self.cuda and layer == self.num_layers - 1 and not torch.compiler.is_compiling() \
+                and not torch.cuda.is_current_stream_capturing():
+            # traced or captured, the caller records the event after the call (runtime/graphs.py)
             self.routed_event = torch.cuda.current_stream(self.device).record_event()
 
     def run(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -443,10 +458,25 @@ def cuda_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return view
 
 
+_TRITON: list[bool] = []  # [whether triton imports], filled once, eagerly (prepare_triton)
+
+
+def prepare_triton() -> bool:
+    """Import Triton and define the copy kernel once, outside any trace: code that
+    ``torch.compile`` traces then only reads these module lists (runtime/graphs.py)."""
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+            _TRITON.append(True)
+        except ImportError:
+            _TRITON.append(False)
+    if _TRITON[0]:
+        _copy_rows_kernel()
+    return _TRITON[0]
+
+
 def _triton_ok(src: torch.Tensor, out: torch.Tensor) -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not prepare_triton():
         return False
     return src.is_contiguous() and out.is_contiguous() and src.dtype == out.dtype
 
@@ -456,6 +486,15 @@ _KERNEL = []
 
 def _triton_gather(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
     """Masked row copy on a fixed grid (W rows x blocks): a sentinel row loads and stores nothing."""
+    kernel = _copy_rows_kernel()
+    W, E = rows.shape[0], src.shape[0]
+    row_elems = src[0].numel()
+    BLOCK = 4096
+    grid = (W, (row_elems + BLOCK - 1) // BLOCK)
+    kernel[grid](src, rows, out, row_elems, E, BLOCK=BLOCK)
+
+
+def _copy_rows_kernel():
     if not _KERNEL:
         import triton
         import triton.language as tl
@@ -471,8 +510,4 @@ def _triton_gather(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> 
             tl.store(out_ptr + i.to(tl.int64) * row_elems + offs, vals, mask=mask)
 
         _KERNEL.append(copy_rows)
-    W, E = rows.shape[0], src.shape[0]
-    row_elems = src[0].numel()
-    BLOCK = 4096
-    grid = (W, (row_elems + BLOCK - 1) // BLOCK)
-    _KERNEL[0][grid](src, rows, out, row_elems, E, BLOCK=BLOCK)
+    return _KERNEL[0]

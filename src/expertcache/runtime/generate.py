@@ -242,7 +242,7 @@ def format_summary(summary: dict) -> str:
 
 
 def graphs_label(graphs: dict) -> str:
-    """'on (torch.compile...): 1 capture, 31 replays, 0 breaks, batch sizes 1' or 'off: why'."""
+    """'on (cuda-graph): 31 replays, 0 breaks, batch sizes 1', or 'off, eager decode: why'."""
     if graphs["active"]:
         return (f"{graphs['mode']} ({graphs['how']}): {graphs['replays']} replays, {graphs['breaks']} breaks, "
                 f"batch sizes {', '.join(map(str, graphs['captured']))}")

@@ -13,8 +13,8 @@ One generation::
         host: the lagged policy (DevicePlanner.begin_forward: observe the routing the last
               replay recorded to pinned memory, after its event; apply the slot changes due,
               a few batched copies on the stream, no sync)
-        replay: CUDA: torch.cuda.CUDAGraph.replay(); CPU: the step compiled whole,
-              torch.compile(fullgraph=True) (graphs="on")
+        replay: the step traced whole by torch.compile(fullgraph=True); CUDA: its kernels
+              captured in a torch.cuda.CUDAGraph and replayed; CPU: the compiled call itself
         host: sample the next token from the logits buffer (greedy, or transformers'
               temperature / top-k / top-p warpers and torch.multinomial: what generate does),
               write it into the ids buffer, read it back (the token's one wait)
@@ -44,7 +44,8 @@ CPU_BACKEND = os.environ.get("EXPERTCACHE_GRAPH_BACKEND", "eager")
 _UNSUPPORTED = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
                 "begin_suppress_tokens", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
                 "sequence_bias", "encoder_repetition_penalty", "min_p", "typical_p", "epsilon_cutoff",
-                "eta_cutoff")
+                "eta_cutoff", "min_length", "exponential_decay_length_penalty", "guidance_scale",
+                "watermarking_config")
 _NEUTRAL = (None, 0, 1.0, [], ())
 
 
@@ -65,8 +66,10 @@ class DecodeGraphs:
         cache = self.cache
         if self.mode == "off":
             return "graphs='off': decode runs eagerly"
+        if cache.planner is None and cache.config.planner == "host":
+            return "capture needs planner='device' (the host planner reads each step's routing back)"
         if cache.planner is None:
-            return f"capture needs planner='device' (each host-planned step reads its routing back); {cache.planner_reason}"
+            return f"capture needs the device planner; {cache.planner_reason}"
         if self.mode == "auto" and cache.device.type != "cuda":
             return "graphs='auto' captures on CUDA only; on the CPU give graphs='on' (the step compiled whole)"
         return None
@@ -202,28 +205,64 @@ class _Runner:
         out = self.model.forward(input_ids=self.ids, **self._kwargs(cache_position=self.position))
         self.logits.copy_(out.logits[:, -1])
 
+    def _counters(self):
+        """A function that puts the static cache's own position counters (transformers 5.2x
+        keeps one per layer, advanced inside the step) back where they are now: the warm-up
+        runs before a capture must not move them."""
+        kept = [(t, t.clone()) for t in (getattr(layer, "cumulative_length", None) for layer in self.kv.layers)
+                if isinstance(t, torch.Tensor)]
+
+        def rewind():
+            for tensor, value in kept:
+                tensor.copy_(value)
+        return rewind
+
     def _capture(self):
         """Capture (CUDA) or compile (CPU) the step; it has run once when this returns. Where
         that fails the step runs eagerly from now on and ``summary()['reason']`` says why."""
         graphs = self.graphs
         graphs.captures += 1
         try:
+            _room_for_runners()
+            # traced whole or raises (fullgraph): no silent break. On CUDA too: the capture then
+            # records the traced graph's kernels, so the code that runs is the code the CPU tests
+            # trace (transformers' eager-only branches, some with a host read, stay out)
+            fn = torch.compile(self._step, fullgraph=True, backend="eager" if self.cuda else CPU_BACKEND)
             if not self.cuda:
-                _room_for_runners()
-                fn = torch.compile(self._step, fullgraph=True, backend=CPU_BACKEND)
-                fn()  # traced whole or raises (fullgraph): no silent break
+                fn()
                 return fn
-            return _cuda_graph(self._step, self.cache.device)
+            return _cuda_graph(fn, self.cache.device, self._counters())
         except Exception as err:  # noqa: BLE001  any failure to capture: decode on, eagerly, and say so
-            if not self.cuda:  # a graph break, refused by fullgraph=True
+            if isinstance(err, torch._dynamo.exc.Unsupported):  # a graph break, refused by fullgraph
                 graphs.breaks += 1
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if os.environ.get("EXPERTCACHE_GRAPH_DEBUG"):
                 raise
-            graphs.reason = graphs.refused = f"capture failed, decode eager: {type(err).__name__}: {first}"
-            graphs.active = False
-            self._step()  # the step's writes are the same whatever ran of it before
-            return self._step
+            if self.cuda:  # the traced step failed to trace or to capture: try the eager step
+                return self._capture_eager(f"{type(err).__name__}: {first}")
+            return self._eager(f"capture failed, decode eager: {type(err).__name__}: {first}")
+
+    def _capture_eager(self, why: str):
+        """CUDA, where the traced step failed (dynamo refused it, or its capture failed): capture
+        the eager step itself. The device step
+        reads nothing back, so the recording is the same kernels; a host read that the trace
+        would have caught fails the capture instead (CUDA refuses a sync while it records),
+        and decode then runs eagerly."""
+        try:
+            replay = _cuda_graph(self._step, self.cache.device, self._counters())
+        except Exception as err:  # noqa: BLE001
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            return self._eager(f"capture failed, decode eager: dynamo: {why}; eager capture: "
+                               f"{type(err).__name__}: {first}")
+        self.graphs.how = f"cuda-graph of the eager step (dynamo refused it: {why})"
+        return replay
+
+    def _eager(self, reason: str):
+        graphs = self.graphs
+        graphs.reason = graphs.refused = reason
+        graphs.active = False
+        self._step()  # the step's writes are the same whatever ran of it before
+        return self._step
 
 
 def _room_for_runners() -> None:
@@ -235,24 +274,28 @@ def _room_for_runners() -> None:
     setattr(config, name, max(getattr(config, name), 256))
 
 
-def _cuda_graph(step, device):
-    """Warm ``step`` up on a side stream, capture it, replay it once; returns the replay."""
+def _cuda_graph(step, device, rewind=lambda: None):
+    """Warm ``step`` up on a side stream (it compiles there), capture it, replay it once;
+    returns the replay. ``rewind()`` after each warm-up undoes what a run advances itself."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):  # warm-up: the same inputs, so its writes are the replay's
-        step()
+        for _ in range(2):
+            step()
+            rewind()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    rewind()  # a no-op after a real capture (nothing ran); kept so a fake capture that runs is exact
     graph.replay()
     return graph.replay
 
 
-def _warpers(sampling) -> list:
-    """transformers' own warpers, in generate's order (temperature, top-k, top-p); [] for greedy."""
+def _warpers(sampling) -> list | None:
+    """transformers' own warpers, in generate's order (temperature, top-k, top-p); None: greedy."""
     if sampling.greedy:
-        return []
+        return None
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
     warpers = [] if sampling.temperature == 1.0 else [TemperatureLogitsWarper(float(sampling.temperature))]
@@ -260,14 +303,15 @@ def _warpers(sampling) -> list:
         warpers.append(TopKLogitsWarper(int(sampling.top_k)))
     if sampling.top_p < 1.0:
         warpers.append(TopPLogitsWarper(float(sampling.top_p)))
-    return warpers + [None]  # None: sample (greedy has no entry)
+    return warpers
 
 
-def _pick(logits: torch.Tensor, warpers: list) -> torch.Tensor:
-    """Next tokens [B] from logits [B, V]: argmax, or the warpers then one multinomial draw."""
-    if not warpers:
+def _pick(logits: torch.Tensor, warpers: list | None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]: argmax (greedy), or the warpers then one multinomial
+    draw from torch's generator, as generate samples."""
+    if warpers is None:
         return logits.argmax(-1)
     scores = logits
-    for warp in warpers[:-1]:
+    for warp in warpers:
         scores = warp(None, scores)
     return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
