@@ -76,7 +76,7 @@ class CacheConfig:
     lag: int = 1                        # planner='device': forwards the policy's decisions run behind
     staging_blocks: int = 1             # planner='device': staging rows in blocks, layer l -> block l % n
     host_budget: str | int | float | None = None  # host_memory='tiered': RAM for experts, '2GiB' or '25%'/0.25
-    host_policy: PolicySpec = "lru"     # host_memory='tiered': the RAM tier's eviction (docs/tiers.md)
+    host_policy: PolicySpec = "default"  # host_memory="tiered": the RAM tier's eviction (docs/tiers.md)
     # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
     eviction_params: InitVar[dict | None] = None
     admission_params: InitVar[dict | None] = None
