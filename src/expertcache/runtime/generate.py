@@ -210,7 +210,20 @@ def format_summary(summary: dict) -> str:
                                f"per load{', ' + '/'.join(c['quant']) + ' in ' + c['slot_format'] + ' slots' if c['quant'] else ''})"),
                  ("host experts", f"{c['host_memory']}: {c['host_memory_reason']}"),
                  ("policy", policy_label(c["config"]))]
+        if c.get("tier"):  # host_memory='tiered' (runtime/tiered.py)
+            rows.append(("RAM tier", tier_line(c["tier"])))
     return "\n".join(f"{label:<14}{value}" for label, value in rows)
+
+
+def tier_line(tier: dict) -> str:
+    """The RAM tier's decode counters in one line (``TieredStore.stats()``)."""
+    from ..sizes import format_size
+
+    d = tier["decode"]
+    rate = f"{d['ram_hits'] / d['accesses']:.3f}" if d["accesses"] else "-"
+    return (f"{tier['rows']} experts ({format_size(tier['bytes'])}), {tier['policy']}; decode RAM hit rate "
+            f"{rate}, {d['file_reads']} experts read, {format_size(d['file_bytes_per_token'])} per token in "
+            f"{d['read_seconds']:.2f} s ({tier['reads']})")
 
 
 def policy_label(config: dict) -> str:
