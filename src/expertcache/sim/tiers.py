@@ -13,7 +13,9 @@ and file bytes per token (``expert_bytes`` per read).
 
 The bound scored against: the RAM tier under Belady (forced admission) on the very stream of
 requests the device tier leaves. Without a device tier that is the optimum of file reads for
-the pair (all requests reach RAM; with forced admission). With device slots no joint optimum
+the pair (all requests reach RAM; forced admission) wherever every step fits the tier (a step
+wider than the tier, a long prompt's, bypasses part of itself, and there the online order of
+bypasses can do better; ``tests/test_tiers.py`` checks the bound on decode steps). With device slots no joint optimum
 of the pair is computed: the bound is the RAM tier's optimum *given* the device policy, and
 ``bound`` says so. Torch-free.
 """
