@@ -221,3 +221,54 @@ def test_a_file_changed_under_the_model_is_caught(model_file, tmp_path):
 def test_read_bandwidth_is_measured(tmp_path):
     path, _ = _data_file(tmp_path, 64 * ALIGN)
     assert read_bandwidth(path, block=8 * ALIGN) > 0
+
+
+# -- plan and probe ----------------------------------------------------------------------------
+def test_plan_with_a_ram_tier_pays_the_file_reads():
+    from dataclasses import replace
+
+    from expertcache.costmodel import load_hardware, model_experts
+    from expertcache.costmodel.model import file_read_time
+    from expertcache.sim.plan import plan
+    from expertcache.trace.synth import synth_trace
+
+    model = model_experts("qwen3-30b-a3b", "Q4_K")
+    trace = synth_trace("qwen3-30b-a3b", 200)
+    hw = replace(load_hardware("pcie4-consumer"), disk_gbps=2.0)
+    flat = {r["config"]: r for r in plan(model, "4GiB", hw, trace, ["lru"])["rows"]}
+    tiered = plan(model, "4GiB", hw, trace, ["lru"], host_budget="25%")
+    assert tiered["ram_rows"] == round(0.25 * 48 * 128)
+    for row in tiered["rows"]:
+        reads = row["file_reads_per_token"]
+        assert reads is not None and 0 < row["ram_hit_rate"] < 1
+        want = 1 / (1 / flat[row["config"]]["tok_s"] + file_read_time(reads, model.cost, hw))
+        assert row["tok_s"] == pytest.approx(want)  # the reads at disk_gbps, on top of the rest
+    cep = next(r for r in tiered["rows"] if r["config"] == "copy-every-pass")
+    cached = max((r for r in tiered["rows"] if r["slots"]), key=lambda r: r["slots"])
+    assert cached["file_reads_per_token"] < cep["file_reads_per_token"]  # slots in front: fewer reach RAM
+    with pytest.raises(ValueError, match="no disk_gbps"):
+        plan(model, "4GiB", load_hardware("pcie4-consumer"), trace, ["lru"], host_budget="25%")
+
+
+def test_plan_cli_needs_a_disk_rate_for_a_ram_tier(capsys):
+    from expertcache.cli import main
+    assert main(["plan", "qwen3-30b-a3b", "--quant", "Q4_K", "--gpu-memory", "4GiB", "--host-budget", "25%",
+                 "--tokens", "100"]) == 2
+    assert "--disk-gbps" in capsys.readouterr().err
+    assert main(["plan", "qwen3-30b-a3b", "--quant", "Q4_K", "--gpu-memory", "4GiB", "--host-budget", "25%",
+                 "--disk-gbps", "1.5", "--tokens", "100", "--policy", "lru"]) == 0
+    out = capsys.readouterr().out
+    assert "RAM tier: 1536 of 6144 experts" in out and "file reads/token" in out
+
+
+def test_probe_measures_the_disk(tmp_path, capsys):
+    import json
+
+    from expertcache.cli import main
+    from expertcache.costmodel.hardware import load_hardware
+    path, _ = _data_file(tmp_path, 256 * ALIGN)
+    out = tmp_path / "hw.json"
+    assert main(["probe", "--seconds", "0.02", "--disk", str(path), "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["disk_gbps"] > 0 and "disk_gbps" in data["measured"]
+    assert load_hardware(out).disk_gbps == data["disk_gbps"]
