@@ -272,3 +272,24 @@ def test_probe_measures_the_disk(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["disk_gbps"] > 0 and "disk_gbps" in data["measured"]
     assert load_hardware(out).disk_gbps == data["disk_gbps"]
+
+
+def test_sim_cli_replays_the_ram_tier(model_file, tmp_path, capsys):
+    import json
+
+    from expertcache.cli import main
+    from expertcache.trace.format import save_trace
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
+                                host_budget=0.25)
+    trace = record(model, torch.tensor([[7]]), 16)
+    path = save_trace(trace, tmp_path / "t.npz")
+    out = tmp_path / "tiers.json"
+    assert main(["sim", str(path), "--slots", "0,6", "--policy", "lru", "--host-budget", "25%",
+                 "--expert-bytes", "1000", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "RAM tier 8 of 32 experts" in text and "bound reads/token" in text
+    doc = json.loads(out.read_text())
+    live = model.expertcache.stats().pool["tier"]["decode"]
+    first = doc["results"][0]  # slots 0: the CPU engine's stream, as the live run met it
+    assert (first["decode"]["ram_hits"], first["decode"]["file_reads"]) == (live["ram_hits"], live["file_reads"])
+    assert doc["results"][1]["decode"]["gpu_hits"] > 0

@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
                         "(0 = the plain replay); prints hits and experts copied per lag (sim/lag.py)")
     p.add_argument("--lag-blocks", type=int, default=1, metavar="B",
                    help="with --lag: staging blocks (layer l stages into block l %% B; 1 = shared)")
+    p.add_argument("--host-budget", metavar="SIZE",
+                   help="replay a RAM tier (host_memory tiered) behind the slots: a share (25%%) or bytes; "
+                        "--slots 0 = no device tier (the CPU engine); prints RAM hits and file reads")
+    p.add_argument("--host-policy", default="default", help="with --host-budget: the RAM tier's eviction")
     p.set_defaults(func=run)
 
 
@@ -94,6 +98,10 @@ def run(args) -> int:
         from .simlag import run_lags
         return run_lags(prep, specs, slots, args.partition, _numbers(args.lag, int, "--lag"),
                         args.lag_blocks, args.json)
+    if args.host_budget is not None:
+        from .simtiers import run_tiers
+        return run_tiers(prep, specs, slots, args.partition, args.host_budget, args.host_policy,
+                         None if cost is None else cost.expert_bytes, args.json)
     if args.imatrix:  # placement changes every replay, so no shared sweep kernels
         from ..sim.imatrix import imatrix_replays
         results = imatrix_replays(prep, specs, slots, args.partition, args.imatrix,
