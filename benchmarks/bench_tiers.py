@@ -333,18 +333,25 @@ def _plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in doc["runs"] if "error" not in r]
-    labels = [r["label"].replace(" (", "\n(") for r in rows]
-    colors = ["tab:gray" if r["label"].startswith("mmap") else "tab:blue" for r in rows]
+    rounds = doc["rounds"]
+    labels = [r["label"] for r in rounds[0]["runs"]]
+    width = 0.8 / len(rounds)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    a.bar(labels, [r["tok_s"] for r in rows], color=colors)
-    a.axhline(doc["reference"]["tok_s"], color="k", ls="--", lw=1, label="all in RAM (no limit)")
-    a.set_ylabel("decode tok/s")
-    a.legend(fontsize=8)
-    b.bar(labels, [r["disk_bytes_per_token"] / 2**20 for r in rows], color=colors)
-    b.set_ylabel("MiB read from disk per decode token")
+    for i, rnd in enumerate(rounds):  # each round side by side: ratios hold within a round
+        by = {r["label"]: r for r in rnd["runs"] if "error" not in r}
+        xs = [j + (i - (len(rounds) - 1) / 2) * width for j in range(len(labels))]
+        colors = ["tab:gray" if lab.startswith("mmap") else "tab:blue" for lab in labels]
+        a.bar(xs, [by[lab]["tok_s"] if lab in by else 0 for lab in labels], width, color=colors,
+              alpha=1.0 - 0.35 * i, edgecolor="k", lw=0.5)
+        a.hlines(rnd["reference"]["tok_s"], xs[0] - width / 2, xs[-1] + width / 2, colors="k", ls="--", lw=1,
+                 label="all in RAM (no limit), per round" if i == 0 else None)
+        b.bar(xs, [by[lab]["disk_bytes_per_token"] / 2**20 if lab in by else 0 for lab in labels], width,
+              color=colors, alpha=1.0 - 0.35 * i, edgecolor="k", lw=0.5)
     for ax in (a, b):
-        ax.tick_params(axis="x", labelsize=8)
+        ax.set_xticks(range(len(labels)), [lab.replace(" (", "\n(") for lab in labels], fontsize=8)
+    a.set_ylabel(f"decode tok/s (rounds 1..{len(rounds)}, left to right)")
+    a.legend(fontsize=8)
+    b.set_ylabel("MiB read from disk per decode token")
     limits = ", ".join(f"{k}%: {v['limit'] / 2**20:.0f} MiB" for k, v in doc["limits"].items())
     fig.suptitle(f"{doc['machine']}; load {doc['load_before'][0]:.1f}; cgroup limits {limits}; file "
                  f"{doc['file_bytes'] / 2**20:.0f} MiB; O_DIRECT {doc['odirect_bandwidth'] / 1e9:.2f} GB/s",
