@@ -293,3 +293,18 @@ def test_sim_cli_replays_the_ram_tier(model_file, tmp_path, capsys):
     first = doc["results"][0]  # slots 0: the CPU engine's stream, as the live run met it
     assert (first["decode"]["ram_hits"], first["decode"]["file_reads"]) == (live["ram_hits"], live["file_reads"])
     assert doc["results"][1]["decode"]["gpu_hits"] > 0
+
+
+def test_resident_slots_are_filled_through_the_tier(model_file, want):
+    """baseline='resident' with dequantized CPU slots copies every expert into its slot at load: through
+    the RAM tier, a step of top-k at a time, each expert read from the file once."""
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", slot_format="dequantized",
+                                cpu_kernel="torch", host_memory="tiered", host_budget=0.25)
+    cache = model.expertcache
+    assert not cache.host_resident and cache.pool.slots == 32
+    assert cache.tier.stats()["prefill"]["file_reads"] == 32
+    got = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+    ref = expertcache.offload(model_file, device="cpu", baseline="resident", slot_format="dequantized",
+                              cpu_kernel="torch", host_memory="copy")
+    assert torch.equal(got, ref.generate(PROMPT, max_new_tokens=NEW, do_sample=False))
+    assert cache.tier.stats()["decode"]["accesses"] == 0  # every step hit a slot
