@@ -308,3 +308,9 @@ def test_resident_slots_are_filled_through_the_tier(model_file, want):
                               cpu_kernel="torch", host_memory="copy")
     assert torch.equal(got, ref.generate(PROMPT, max_new_tokens=NEW, do_sample=False))
     assert cache.tier.stats()["decode"]["accesses"] == 0  # every step hit a slot
+
+
+def test_a_model_that_is_not_a_gguf_file_is_refused():
+    from tiny_moe import tiny_model
+    with pytest.raises(ValueError, match="host_memory='tiered' reads experts by offset from a GGUF file"):
+        expertcache.offload(tiny_model("qwen3_moe"), device="cpu", slots=4, host_memory="tiered", host_budget="25%")
