@@ -314,3 +314,21 @@ def test_a_model_that_is_not_a_gguf_file_is_refused():
     from tiny_moe import tiny_model
     with pytest.raises(ValueError, match="host_memory='tiered' reads experts by offset from a GGUF file"):
         expertcache.offload(tiny_model("qwen3_moe"), device="cpu", slots=4, host_memory="tiered", host_budget="25%")
+
+
+def test_reads_overlap_the_hits_and_the_logits_stay_bit_equal(model_file, monkeypatch):
+    """The resident CPU step computes its RAM hits while its misses are read (``_overlapped``); the
+    logits equal the all-in-RAM run's bit for bit."""
+    import expertcache.runtime.tiered as tiered
+    calls = []
+    real = tiered._overlapped
+    monkeypatch.setattr(tiered, "_overlapped", lambda *a: calls.append(1) or real(*a))
+    kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy").generate(PROMPT, **kw)
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
+                                host_budget=0.25)
+    got = model.generate(PROMPT, **kw)
+    assert len(calls) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
+    d = model.expertcache.stats().pool["tier"]["decode"]
+    assert 0 <= d["wait_seconds"] <= d["read_seconds"] + 1e-3

@@ -152,8 +152,12 @@ class ReadPool:
     def read(self, jobs: list[tuple[DirectFile, np.ndarray, int, str]]) -> ReadCounters:
         """Run the reads, wait for all of them; the sum of their counters, ``seconds`` the wall time."""
         t0 = time.perf_counter()
+        return self.collect(self.submit(jobs), t0)
+
+    @staticmethod
+    def collect(futures, t0: float) -> ReadCounters:
+        """Wait for submitted reads; their counters summed, ``seconds`` the wall time since ``t0``."""
         total = ReadCounters()
-        futures = self.submit(jobs)
         error = None
         for fut in futures:  # wait for every read before raising: no read may land later
             try:

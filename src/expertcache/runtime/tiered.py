@@ -19,7 +19,8 @@ by layer); ``TieredExperts.tensors[part]`` is the ``[R, nbytes]`` view one layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,20 @@ from .device import free_memory
 from .directio import READERS, DirectFile, ReadCounters, ReadPool
 from .host import pinned_copy
 from .quantized import Codec
+
+
+@dataclass
+class Pending:
+    """A step of the tier whose reads may still run: ``rows`` expert -> row (of the pool, or of
+    ``compact`` for a step wider than the tier), ``reading`` the experts being read."""
+
+    rows: dict[int, int]
+    reading: set[int]
+    phase: int
+    compact: dict[str, np.ndarray] | None = None
+    copies: dict[int, int] = field(default_factory=dict)  # compact row <- pool slot, once read
+    futures: list = field(default_factory=list)
+    t0: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,34 +98,55 @@ class TieredStore:
         ``tensors`` is None when every expert has a row of the pool (``rows``: expert -> row);
         a step wider than the tier (its bypasses) gets a compact copy instead: ``tensors[part]``
         ``[W, stride]`` holding the W experts, ``rows`` into it."""
+        pending = self.start(layer, experts, phase)
+        self.finish(pending)
+        return pending.compact, pending.rows
+
+    def start(self, layer: int, experts: list[int], phase: int) -> Pending:
+        """Plan the step and start its reads; ``finish`` waits for them. Rows of the step's RAM hits
+        can be read meanwhile (reads only write the rows of the experts in ``Pending.reading``)."""
         plan = self.table.step(layer, experts, phase)
         base = layer * self.num_experts
         rows = {key - base: slot for key, slot in plan.hits.items()}
         rows.update((key - base, slot) for key, slot in plan.loads.items())
         jobs = [job for key, slot in plan.loads.items() for job in self._jobs(layer, key - base, self._np, slot)]
-        tensors = None
+        pending = Pending(rows, {key - base for key in plan.loads}, phase)
         if plan.bypasses:  # wider than the tier: every expert of the step into one compact copy
             width = len(rows) + len(plan.bypasses)
-            tensors = {p: np.empty((width, s), np.uint8) for p, s in self.stride.items()}
+            compact = {p: np.empty((width, s), np.uint8) for p, s in self.stride.items()}
             for i, (e, slot) in enumerate(rows.items()):
-                if e + base not in plan.loads:  # loads are copied once read, below
-                    for p in tensors:
-                        tensors[p][i] = self._np[p][slot]
+                if e + base not in plan.loads:  # loads are copied once read (finish)
+                    for p in compact:
+                        compact[p][i] = self._np[p][slot]
                 rows[e] = i
             for i, key in enumerate(plan.bypasses, start=len(rows)):
-                jobs += self._jobs(layer, key - base, tensors, i)
+                jobs += self._jobs(layer, key - base, compact, i)
                 rows[key - base] = i
+            pending.compact = compact
+            pending.copies = {rows[key - base]: slot for key, slot in plan.loads.items()}
+            pending.reading |= {key - base for key in plan.bypasses}
         if jobs:
             if self.before_write is not None:  # CUDA: no copy to a slot may still read these rows
                 self.before_write()
             for f in self.files.values():
                 f.check()
-            self.counts[phase].add(self.reader.read(jobs))
-        if tensors is not None:  # loads landed in the pool after the copy was laid out: copy them now
-            for key, slot in plan.loads.items():
-                for p in tensors:
-                    tensors[p][rows[key - base]] = self._np[p][slot]
-        return tensors, rows
+            pending.t0 = time.perf_counter()
+            pending.futures = self.reader.submit(jobs)
+        return pending
+
+    def finish(self, pending: Pending) -> None:
+        """Wait for ``pending``'s reads; count them (``read_seconds``: from their start, ``wait_seconds``:
+        the part the caller waited for)."""
+        if pending.futures:
+            t = time.perf_counter()
+            got = self.reader.collect(pending.futures, pending.t0)
+            self.counts[pending.phase].add(got)
+            self.waited[pending.phase] += time.perf_counter() - t
+            pending.futures = []
+        for row, slot in pending.copies.items():  # loads landed in the pool: into the compact copy too
+            for p in pending.compact:
+                pending.compact[p][row] = self._np[p][slot]
+        pending.copies = {}
 
     def _jobs(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> list:
         out = []
@@ -123,6 +159,7 @@ class TieredStore:
     def reset_stats(self) -> None:
         self.table.reset_stats()
         self.counts = [ReadCounters(), ReadCounters()]  # [phase]
+        self.waited = [0.0, 0.0]  # [phase] seconds a step waited for its reads (the rest overlapped)
         self.tokens = [0, 0]
 
     def stats(self) -> dict:
@@ -137,6 +174,7 @@ class TieredStore:
             out[name] = {"accesses": sums["accesses"], "ram_hits": sums["hits"],
                          "file_reads": sums["loads"] + sums["bypasses"], "read_ranges": c.reads,
                          "file_bytes": c.bytes, "disk_bytes": c.disk_bytes, "read_seconds": round(c.seconds, 6),
+                         "wait_seconds": round(self.waited[phase], 6),
                          "tokens": tok, "file_bytes_per_token": c.bytes / tok if tok else 0.0}
         return out
 
@@ -146,8 +184,8 @@ class TieredStore:
         rate = d["ram_hits"] / d["accesses"] if d["accesses"] else 0.0
         return (f"RAM tier: {s['rows']} experts ({format_size(s['bytes'])}), {s['policy']}; decode RAM hits "
                 f"{rate:.1%}, {d['file_reads']} experts read from the file, "
-                f"{format_size(d['file_bytes_per_token'])} per token, {d['read_seconds']:.2f} s reading "
-                f"({s['reads']}: {s['read_reason']})")
+                f"{format_size(d['file_bytes_per_token'])} per token, {d['read_seconds']:.2f} s reading, "
+                f"{d['wait_seconds']:.2f} s of it waited for ({s['reads']}: {s['read_reason']})")
 
     def close(self) -> None:
         self.reader.close()
@@ -181,18 +219,27 @@ class TieredExperts:
 
     def fetch(self, experts: list[int], phase: int) -> StepView:
         """The step's ``experts`` (unique, rank order) readable from RAM: read what is missing."""
-        compact, rows = self.store.fetch(self.layer, experts, phase)
-        tensors = self.tensors if compact is None else \
-            {p: torch.from_numpy(t[:, :self.codec.part[p].nbytes]) for p, t in compact.items()}
-        return StepView(tensors, rows, self.codec)
+        pending = self.store.start(self.layer, experts, phase)
+        self.store.finish(pending)
+        return self._view(pending)
 
     def routed(self, kernel, module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                experts: list[int], phase: int) -> torch.Tensor:
-        """The CPU engine's resident step over the RAM tier: fetch, remap expert ids to rows, one
-        ggml pass (``GgmlExperts.routed``). hidden [T, H], top_k_index [T, K]; returns [T, H]."""
+        """The CPU engine's resident step over the RAM tier: start the reads of the missing experts,
+        compute the pairs of the experts in RAM while they run, then the rest (``_overlapped``);
+        ids remapped to rows. hidden [T, H], top_k_index [T, K]; returns [T, H]."""
         self.count_tokens(phase, top_k_index.shape[0])
-        view = self.fetch(experts, phase)
+        pending = self.store.start(self.layer, experts, phase)
+        if pending.futures and pending.compact is None and kernel._silu_gate(module):
+            return _overlapped(kernel, self.store, pending, hidden, top_k_index, top_k_weights, self.tensors)
+        self.store.finish(pending)
+        view = self._view(pending)
         return kernel.routed(module, hidden, view.remap(top_k_index), top_k_weights, view.tensors)
+
+    def _view(self, pending: Pending) -> StepView:
+        tensors = self.tensors if pending.compact is None else \
+            {p: torch.from_numpy(t[:, :self.codec.part[p].nbytes]) for p, t in pending.compact.items()}
+        return StepView(tensors, pending.rows, self.codec)
 
     def restore(self, module: torch.nn.Module) -> None:
         """Nothing to hand back: a GGUF model's experts modules never held weights."""
@@ -219,6 +266,36 @@ class StepView:
         row = self.rows[expert]
         decoded = self.codec.decode({k: t[row:row + 1] for k, t in self.tensors.items()})
         return {k: t[0] for k, t in decoded.items()}
+
+
+def _overlapped(kernel, store: TieredStore, pending: Pending, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``GgmlExperts.routed`` in two passes around the reads: the pairs of experts in RAM first (the
+    missing ones' rows pointed at a resident row, their outputs replaced after), then the missing
+    ones' pairs alone, once read. ggml computes each (token, expert) pair on its own (the same
+    bytes whatever else is in the graph), so the result is the one-pass result bit for bit
+    (``tests/test_tiers.py``). hidden [T, H], top_k_index [T, K] -> [T, H]."""
+    T, K = top_k_index.shape
+    rows = pending.rows
+    lut = torch.zeros(max(rows) + 1, dtype=torch.int32)
+    lut[list(rows)] = torch.tensor(list(rows.values()), dtype=torch.int32)
+    ids = lut[top_k_index.cpu()].contiguous()                                       # [T, K] rows
+    reading = torch.zeros(max(rows) + 1, dtype=torch.bool)
+    reading[list(pending.reading)] = True
+    miss = reading[top_k_index.cpu()].reshape(-1)                                    # [T*K] pairs read now
+    hit_rows = ids.reshape(-1)[~miss]
+    if hit_rows.numel():  # the RAM hits, while the reads run (their rows are not being written)
+        first = ids.clone()
+        first.view(-1)[miss] = hit_rows[0]
+        out = kernel._silu_mlp(hidden, first, tensors)                               # [T*K, H]
+    else:
+        out = torch.empty(T * K, kernel.part[kernel.down.parts[0]].shape[0])
+    store.finish(pending)
+    pairs = miss.nonzero().squeeze(1)                                                # [N]
+    x = hidden.index_select(0, pairs // K)                                           # [N, H]
+    out[pairs] = kernel._silu_mlp(x, ids.view(-1)[pairs].view(-1, 1).contiguous(), tensors)
+    w = top_k_weights.to(out.dtype).unsqueeze(1)                                     # [T, 1, K]
+    return torch.bmm(w, out.view(T, K, -1)).squeeze(1).to(hidden.dtype)              # [T, H]
 
 
 def build_tiered(layers: list[dict[str, PartRange]], codecs: list[Codec], num_experts: int, top_k: int,
