@@ -332,3 +332,15 @@ def test_reads_overlap_the_hits_and_the_logits_stay_bit_equal(model_file, monkey
     assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
     d = model.expertcache.stats().pool["tier"]["decode"]
     assert 0 <= d["wait_seconds"] <= d["read_seconds"] + 1e-3
+
+
+def test_hardware_disk_rate_is_checked():
+    from dataclasses import replace
+
+    from expertcache.costmodel import ExpertCost, load_hardware
+    from expertcache.costmodel.model import file_read_time
+    hw = load_hardware("pcie4-consumer")
+    for bad in (0, -1.0, True, "fast"):
+        with pytest.raises(ValueError, match="disk_gbps must be a positive number or null"):
+            replace(hw, disk_gbps=bad)
+    assert file_read_time(3, ExpertCost(2_000_000), replace(hw, disk_gbps=2.0)) == pytest.approx(3e-3)
