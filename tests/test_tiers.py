@@ -191,10 +191,12 @@ def test_short_read_names_file_offset_and_expert(tmp_path):
 def test_read_error_names_file_offset_and_expert(tmp_path):
     path, data = _data_file(tmp_path)
     f = DirectFile(path, len(data))
-    os.close(f.fd)
+    real = f.fd
     f.fd = os.open(os.devnull, os.O_WRONLY)  # reading a write-only descriptor fails: EBADF
     with pytest.raises(ExpertReadError, match=r"data.bin: reading layer 0 expert 3 .*offset 4096.* failed"):
         f.read_into(np.empty(100, np.uint8), 4096, "layer 0 expert 3 (up.weight)")
+    os.close(f.fd)
+    f.fd = real
     f.close()
 
 
@@ -216,6 +218,17 @@ def test_a_file_changed_under_the_model_is_caught(model_file, tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # coarse clocks: the write's time differs
     with pytest.raises(FileChangedError, match=r"copy.gguf changed after it was loaded"):
         model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+
+
+def test_descriptors_close_with_their_file(tmp_path):
+    import gc
+    path, data = _data_file(tmp_path)
+    f = DirectFile(path, len(data))
+    fd = f.fd
+    del f
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 def test_read_bandwidth_is_measured(tmp_path):

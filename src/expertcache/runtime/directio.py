@@ -25,6 +25,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ class DirectFile:
                                    f"expert bytes up to offset {need}; the file is truncated or was "
                                    "changed after its header was read")
         self._local = threading.local()
+        self._closer = weakref.finalize(self, os.close, self.fd)  # the descriptor goes with the object
 
     def _open(self, direct: bool) -> tuple[int, bool, str]:
         flag = _direct_flag()
@@ -134,7 +136,7 @@ class DirectFile:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            self._closer()  # closes the descriptor once
             self.fd = -1
 
 
