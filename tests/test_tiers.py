@@ -357,3 +357,10 @@ def test_hardware_disk_rate_is_checked():
         with pytest.raises(ValueError, match="disk_gbps must be a positive number or null"):
             replace(hw, disk_gbps=bad)
     assert file_read_time(3, ExpertCost(2_000_000), replace(hw, disk_gbps=2.0)) == pytest.approx(3e-3)
+
+
+def test_a_split_gguf_reads_each_part_from_its_own_file(tmp_path, want):
+    first = write_gguf(tmp_path / "split.gguf", "qwen3_moe", "Q8_0", layers=2, experts=16, split_max_tensors=8)
+    model = expertcache.offload(first, device="cpu", baseline="resident", host_memory="tiered", host_budget=0.25)
+    assert len(model.expertcache.tier.files) > 1
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False), want)
