@@ -26,8 +26,10 @@ SLOT_FORMATS = ("auto", *QUANT_SLOT_FORMATS)
 # What a pool slot holds once 'auto' is resolved: 'plain' for experts that were never quantized.
 SLOT_KINDS = ("plain", *QUANT_SLOT_FORMATS)
 # Where quantized expert bytes live on the host: a copy in RAM (pinned with CUDA), the
-# memory-mapped file (the OS page cache is the middle tier), or 'auto': a copy when it fits.
-HOST_MEMORY = ("auto", "copy", "mmap")
+# memory-mapped file (the OS page cache is the middle tier), 'auto': a copy when it fits, or
+# 'tiered': a RAM tier of ``host_budget`` experts under its own policy over the file, read with
+# O_DIRECT (runtime/tiered.py, docs/tiers.md).
+HOST_MEMORY = ("auto", "copy", "mmap", "tiered")
 # How experts computed on the CPU (miss path 'cpu', baseline 'cpu', slots on a CPU device) do
 # their math: 'ggml' runs ggml's quantized kernels on the stored bytes (what llama.cpp runs;
 # activations quantized to 8 bits, docs/cpu.md), 'torch' dequantizes then matmuls (exact),
@@ -79,6 +81,8 @@ class CacheConfig:
     staging_blocks: int | None = None   # planner='device': staging rows in blocks, layer l -> block l % n
     #                                     (None: one block per layer, staging default layers x top-k)
     graphs: str = "auto"                # GRAPH_MODES: decode replayed from a captured graph
+    host_budget: str | int | float | None = None  # host_memory='tiered': RAM for experts, '2GiB' or '25%'/0.25
+    host_policy: PolicySpec = "default"  # host_memory="tiered": the RAM tier's eviction (docs/tiers.md)
     # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
     eviction_params: InitVar[dict | None] = None
     admission_params: InitVar[dict | None] = None
@@ -99,6 +103,7 @@ class CacheConfig:
         self._check_choice("slot_format", self.slot_format, SLOT_FORMATS)
         self._check_choice("host_memory", self.host_memory, HOST_MEMORY)
         self._check_choice("cpu_kernel", self.cpu_kernel, CPU_KERNELS)
+        self._check_tier()
         self._check_choice("planner", self.planner, PLANNERS)
         if self.planner == "host" and (self.lag != 1 or self.staging_blocks not in (None, 1)):
             raise ValueError("lag and staging_blocks apply to planner='device' only (the host planner "
@@ -137,6 +142,21 @@ class CacheConfig:
                                          or self.staging < 1):
             raise ValueError(f"staging must be a positive whole number of slots, got {self.staging!r}")
 
+    def _check_tier(self) -> None:
+        object.__setattr__(self, "host_policy", eviction_spec(self.host_policy))
+        if self.host_policy.needs_future:
+            raise ValueError(f"host_policy {str(self.host_policy)!r} is an offline oracle; a live run cannot "
+                             "know future accesses (use it in `expertcache sim`)")
+        if self.host_memory != "tiered":
+            if self.host_budget is not None:
+                raise ValueError("host_budget sizes the RAM tier of host_memory='tiered'; give "
+                                 "host_memory='tiered' with it, or leave host_budget out")
+            return
+        if self.host_budget is None:
+            raise ValueError("host_memory='tiered' needs host_budget: the RAM the tier keeps experts in, "
+                             "as bytes ('2GiB') or a share of all experts ('25%' or 0.25)")
+        host_budget_share(self.host_budget)  # checks the spelling; sizes are checked at load
+
     @staticmethod
     def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         if value not in choices:
@@ -164,7 +184,37 @@ class CacheConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for side in ("eviction", "admission"):
             out[side], out[f"{side}_params"] = out[side].name, dict(out[side].params)
+        out["host_policy"] = str(self.host_policy)
         return out
+
+
+def host_budget_share(budget: str | int | float) -> float | None:
+    """``host_budget`` as a share of all experts ('25%', 0.25), or None when it is a size in bytes
+    ('2GiB', 2147483648); ValueError for anything else."""
+    if isinstance(budget, float) or (isinstance(budget, str) and budget.strip().endswith("%")):
+        share = budget if isinstance(budget, float) else _percent(budget)
+        if not 0 < share <= 1:
+            raise ValueError(f"host_budget {budget!r} is a share of the experts; give one in (0, 1] or "
+                             "(0%, 100%], e.g. 0.25 or '25%'")
+        return share
+    parse_size(budget)
+    return None
+
+
+def _percent(text: str) -> float:
+    try:
+        return float(text.strip()[:-1]) / 100
+    except ValueError:
+        raise ValueError(f"cannot read host_budget {text!r}; write e.g. '25%', 0.25 or '2GiB'") from None
+
+
+def host_budget_rows(budget: str | int | float, total_experts: int, expert_bytes: int) -> int:
+    """Experts the RAM tier holds for ``budget`` (a share of ``total_experts``, or bytes of
+    ``expert_bytes`` each, rounded down), capped at every expert."""
+    share = host_budget_share(budget)
+    if share is not None:
+        return min(total_experts, max(1, round(share * total_experts)))
+    return min(total_experts, parse_size(budget) // expert_bytes)
 
 
 def fraction_slots(fraction: float, total: int) -> int:

@@ -31,7 +31,12 @@ def add_cache_options(p) -> None:
                         "kernel (docs/cpu.md)")
     p.add_argument("--host-memory", default="auto", choices=HOST_MEMORY,
                    help="quantized experts on the host: a copy in RAM (pinned with CUDA), the "
-                        "memory-mapped file, or auto (a pinned copy when it fits, else the file)")
+                        "memory-mapped file, auto (a pinned copy when it fits, else the file), or tiered "
+                        "(a RAM tier of --host-budget experts over the file, read with O_DIRECT; docs/tiers.md)")
+    p.add_argument("--host-budget", metavar="SIZE",
+                   help="--host-memory tiered: RAM for experts, bytes (2GiB) or a share of them (25%%)")
+    p.add_argument("--host-policy", default="default", metavar="EVICTION",
+                   help="--host-memory tiered: the RAM tier's eviction policy (default: default)")
     p.add_argument("--hardware", help="cost-model profile for --miss auto: a preset (pcie4-consumer, "
                    "pcie5-consumer, h200) or a JSON file from 'expertcache probe'")
     p.add_argument("--imatrix", metavar="FILE", help="imatrix .gguf (or trace / counts file) whose hot "
@@ -66,6 +71,7 @@ def cache_config(args):
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
                        host_memory=args.host_memory, cpu_kernel=args.cpu_kernel, hardware=args.hardware,
+                       host_budget=_budget(args.host_budget), host_policy=args.host_policy,
                        planner=args.planner, lag=1 if args.lag is None else args.lag,
                        staging_blocks=args.staging_blocks, graphs=args.graphs)
 
@@ -80,6 +86,17 @@ def _device_only(args) -> None:
                          f"device only (the host planner "
                          f"plans each step as it runs, with no lag): add --planner device or drop "
                          f"{'them' if len(given) > 1 else 'it'}")
+
+
+def _budget(text: str | None):
+    """--host-budget as the library takes it: '25%' and sizes as given, a bare 0.25 as a share."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return value if 0 < value <= 1 else text
 
 
 def add_sampling_options(p, temperature: float) -> None:

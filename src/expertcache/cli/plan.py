@@ -36,6 +36,12 @@ def add_parser(sub) -> None:
                    "float32 on cpu, as the run's)")
     p.add_argument("--cpu-kernel", default="auto", choices=CPU_KERNELS,
                    help="the run's cpu_kernel: with ggml, quantized CPU slots need no scratch (docs/cpu.md)")
+    p.add_argument("--host-budget", metavar="SIZE",
+                   help="a RAM tier under the slots (host_memory tiered): bytes (16GiB) or a share of the "
+                        "experts (25%%); each row then pays its reads from the file at --disk-gbps")
+    p.add_argument("--host-policy", default="default", help="the RAM tier's eviction policy (default: default)")
+    p.add_argument("--disk-gbps", type=float, help="O_DIRECT read bandwidth of the model's drive, GB/s "
+                   "(default: the hardware profile's disk_gbps, from 'expertcache probe --disk FILE')")
     p.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
     p.set_defaults(func=run)
 
@@ -54,6 +60,18 @@ def run(args) -> int:
     device = args.device or local_device()
     model = model_experts(args.model, args.quant, compute_dtype=args.dtype or default_dtype(device))
     hw = load_hardware(args.hardware)
+    if args.disk_gbps is not None:
+        from dataclasses import replace
+        hw = replace(hw, disk_gbps=args.disk_gbps)
+    budget = None
+    if args.host_budget is not None:
+        from ..config import host_budget_share
+        from .options import _budget
+        budget = _budget(args.host_budget)
+        host_budget_share(budget)  # the spelling, before any replay
+        if hw.disk_gbps is None:
+            raise ValueError(f"--host-budget needs the drive's read rate: give --disk-gbps or a --hardware "
+                             f"profile with disk_gbps ('expertcache probe --disk MODEL_FILE -o FILE')")
     trace, why = _trace(args, model) if args.trace else default_trace(model, args.tokens)
     if args.requests != 1 and trace is not None:
         from ..trace.batch import batch_traces
@@ -62,7 +80,8 @@ def run(args) -> int:
     if trace is not None and trace.meta.get("prefill_steps") == "grouped":
         from ..sim.report import trace_header
         why += f"; {trace_header(trace).split(': ', 1)[1]}"
-    result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device, args.cpu_kernel)
+    result = plan(model, args.gpu_memory, hw, trace, policies, args.partition, device, args.cpu_kernel,
+                  budget, args.host_policy)
     # the cost model prices one token's top-k uses at the replay's hit rate (sim/plan.py)
     from ..sim.report import batch_requests
     result["requests"] = None if trace is None else batch_requests(trace)
@@ -111,12 +130,20 @@ def _print(result: dict, why: str) -> None:
     console.print(f"hit rates from: {why}")
     t = Table(title_justify="left")
     t.caption = "tok/s: cost model, MoE part only (dense layers and overheads not counted): compare rows"
-    for col in ("configuration", "slots", "decode hit rate", "tok/s (predicted)"):
+    tier = result.get("ram_rows") is not None
+    cols = ["configuration", "slots", "decode hit rate", *(["RAM hit rate", "file reads/token"] if tier else []),
+            "tok/s (predicted)"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "configuration" else "right")
     for row in result["rows"]:
+        extra = [] if not tier else ["-" if row["ram_hit_rate"] is None else f"{row['ram_hit_rate']:.3f}",
+                                     "-" if row["file_reads_per_token"] is None else f"{row['file_reads_per_token']:.2f}"]
         t.add_row(row["config"], str(row["slots"]) if row["slots"] else "-",
-                  "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}",
+                  "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}", *extra,
                   "-" if row["tok_s"] is None else f"{row['tok_s']:.1f}")
+    if tier:
+        console.print(f"RAM tier: {result['ram_rows']} of {total} experts under {result['host_policy']}, "
+                      f"file read at {result['disk_gbps']:.2f} GB/s (O_DIRECT)")
     console.print(t)
     if result.get("trace") is not None and result.get("requests") != 1:
         console.print(f"tok/s: {TOK_S_IS}")

@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--base", default="pcie4-consumer",
                    help="preset supplying what cannot be measured (GPU figures without CUDA)")
     p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.add_argument("--disk", metavar="FILE", help="also measure O_DIRECT read bandwidth on this file (a model "
+                   "file on the drive host_memory='tiered' reads from; up to 1 GiB of it is read)")
     p.set_defaults(func=run)
 
 
@@ -32,6 +34,12 @@ def run(args) -> int:
         raise ValueError(f"--seconds must be positive, got {args.seconds}")
     check_output(args.output, "-o")
     hw, report = probe(args.base, args.seconds)
+    if args.disk:  # the drive's rate around the page cache: what the RAM tier's misses cost
+        from dataclasses import replace
+
+        from ..runtime.directio import read_bandwidth
+        hw = replace(hw, disk_gbps=read_bandwidth(args.disk, limit=1 << 30) / 1e9)
+        report["measured"] = sorted([*report["measured"], "disk_gbps"])
     print(json.dumps({**asdict(hw), **report}, indent=2))
     if args.output:
         save_profile(hw, args.output, report)

@@ -63,6 +63,10 @@ def add_parser(sub) -> None:
     p.add_argument("--lag-blocks", type=int, metavar="B",
                    help="with --lag: staging blocks, 1 to the trace's layers (layer l stages into block "
                         "l %% B; default 1: every layer shares the staging rows)")
+    p.add_argument("--host-budget", metavar="SIZE",
+                   help="replay a RAM tier (host_memory tiered) behind the slots: a share (25%%) or bytes; "
+                        "--slots 0 = no device tier (the CPU engine); prints RAM hits and file reads")
+    p.add_argument("--host-policy", default="default", help="with --host-budget: the RAM tier's eviction")
     p.set_defaults(func=run)
 
 
@@ -104,6 +108,10 @@ def run(args) -> int:
         with _progress(len(specs) * len(slots), always=True) as tick:
             return run_lags(prep, specs, slots, args.partition, _numbers(args.lag, int, "--lag"),
                             1 if args.lag_blocks is None else args.lag_blocks, args.json, doc, tick)
+    if args.host_budget is not None:
+        from .simtiers import run_tiers
+        return run_tiers(prep, specs, slots, args.partition, args.host_budget, args.host_policy,
+                         None if cost is None else cost.expert_bytes, args.json)
     if args.imatrix:  # placement changes every replay, so no shared sweep kernels
         from ..sim.imatrix import imatrix_replays
         results = imatrix_replays(prep, specs, slots, args.partition, args.imatrix,

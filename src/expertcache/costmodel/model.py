@@ -48,6 +48,9 @@ class Hardware:
     # GFLOP/s: what a CPU miss of several tokens costs with ggml (docs/cpu.md: 2-4x below a
     # float32 BLAS matmul on the same cores). None: cpu_gflops (presets; probe measures it)
     cpu_quant_gflops: float | None = None
+    # O_DIRECT reads of a model file, GB/s (host_memory='tiered': experts missing from RAM);
+    # None: not measured ('expertcache probe --disk FILE' measures it)
+    disk_gbps: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -56,6 +59,9 @@ class Hardware:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"hardware {self.name!r}: {field} must be a positive number, "
                                  f"got {value!r}")
+        disk = self.disk_gbps
+        if disk is not None and (isinstance(disk, bool) or not isinstance(disk, (int, float)) or disk <= 0):
+            raise ValueError(f"hardware {self.name!r}: disk_gbps must be a positive number or null, got {disk!r}")
         rate = self.cpu_quant_gflops
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
             raise ValueError(f"hardware {self.name!r}: cpu_quant_gflops must be a positive number or "
@@ -163,3 +169,12 @@ def bytes_moved(misses: int, loads: int, expert_bytes: int | None,
     if expert_bytes is None:
         return None
     return (misses if path == "fetch" else loads) * expert_bytes
+
+
+def file_read_time(file_reads: float, model: ExpertCost, hw: Hardware) -> float:
+    """Seconds per token the RAM tier spends reading ``file_reads`` experts per token from the file
+    (host_memory='tiered': the reads of a step finish before the step computes)."""
+    if hw.disk_gbps is None:
+        raise ValueError(f"hardware {hw.name!r} has no disk_gbps: measure it with 'expertcache probe "
+                         "--disk MODEL_FILE -o profile.json' (or give plan --disk-gbps)")
+    return file_reads * model.expert_bytes / (hw.disk_gbps * GB)

@@ -39,7 +39,9 @@ def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
     """(model with empty experts modules, [(name, experts module)], [QuantExperts per layer], header)."""
     header = read_header(path)
     # decided before any tensor is read: host_memory='copy' without the RAM for it fails first
-    mode, reason = host_mode(config.host_memory, device, "GGUF experts", header.experts_bytes)
+    tiered = config.host_memory == "tiered"
+    mode, reason = ("tiered", "") if tiered else \
+        host_mode(config.host_memory, device, "GGUF experts", header.experts_bytes)
     dtype = compute_dtype(config.dtype, device)
     hf_config = _hf_config(header)
     model = empty_model(hf_config, dtype)
@@ -50,9 +52,12 @@ def load_gguf(path: str | Path, config: CacheConfig, device: torch.device):
     if len(found) != len(header.moe_blocks):
         raise ValueError(f"{header.paths[0].name}: the model has {len(found)} MoE layers but the file "
                          f"has experts in {len(header.moe_blocks)} blocks")
-    hosts = [QuantExperts(_part_tensors(header.experts[block], mode),
-                          expert_codec(header.experts[block], header.arch, dtype), mode, reason)
-             for block in header.moe_blocks]
+    codecs = [expert_codec(header.experts[block], header.arch, dtype) for block in header.moe_blocks]
+    if tiered:  # a RAM tier over the file, read around the page cache (runtime/tiered.py)
+        hosts = _tiered_hosts(header, codecs, config, device)
+    else:
+        hosts = [QuantExperts(_part_tensors(header.experts[block], mode), codec, mode, reason)
+                 for block, codec in zip(header.moe_blocks, codecs)]
     drop_expert_params(found)
     return model.eval(), found, hosts, header
 
@@ -204,6 +209,15 @@ def _part_tensors(parts: dict[str, TensorRef], mode: str) -> dict[str, torch.Ten
     """One layer's expert tensors as [E, bytes per expert] uint8: file views or copies."""
     return {name: file_bytes(ref.file, ref.offset, ref.shape[0], ref.nbytes // ref.shape[0], mode)
             for name, ref in parts.items()}
+
+
+def _tiered_hosts(header: GgufModel, codecs: list[Codec], config: CacheConfig, device: torch.device):
+    from ..runtime.tiered import PartRange, build_tiered
+
+    layers = [{name: PartRange(ref.file, ref.offset, ref.nbytes // ref.shape[0])
+               for name, ref in header.experts[block].items()} for block in header.moe_blocks]
+    return build_tiered(layers, codecs, header.num_experts, header.top_k, config.host_budget,
+                        config.host_policy, device)
 
 
 def load_gguf_tokenizer(path: Path):

@@ -31,6 +31,8 @@ class ExpertCache:
         self.config = config
         run = config.effective()  # baselines resolved into plain settings
         self.hosts, self.top_k, self.device = hosts, top_k, torch.device(device)
+        # host_memory='tiered': the RAM tier all layers share (runtime/tiered.py)
+        self.tier = hosts[0].store if getattr(hosts[0], "tiered", False) else None
         self.num_layers, self.num_experts = len(hosts), hosts[0].num_experts
         # bytes one load moves (quantized: the stored bytes; the largest layer's if types differ)
         self.expert_bytes = max(host.expert_bytes for host in hosts)
@@ -57,6 +59,8 @@ class ExpertCache:
         self.pool = SlotPool(hosts[0].layout() if self.codec is None else {}, pool_slots, staging, self.device,
                              None if self.codec is None else [h.codec for h in hosts], self.slot_format,
                              self.sizing.scratch_experts)
+        if self.tier is not None and self.pool.cuda:  # rows are overwritten only after their copies
+            self.tier.before_write = self.pool.copy_stream.synchronize
         self.h2d = [[0] * self.num_layers for _ in range(2)]  # [phase][layer] bytes
         self.phase: int | None = None  # set per forward by the model's pre-hook
         self.model = None  # set by offload(): report() reads the model's forward clock
@@ -91,6 +95,9 @@ class ExpertCache:
         """(the ``DevicePlanner`` or None, why this planner): runtime/devicepath.py."""
         if config.planner == "host":
             return None, "planner='host': each step's routing is read back and planned at once"
+        if self.tier is not None:
+            return None, ("planner='device' refused, host planner used: host_memory='tiered' reads "
+                          "missing experts from the file, which the device cannot do")
         from .devicepath import DevicePlanner, device_planner_refusal
         refusal = device_planner_refusal(self)
         if refusal is not None:
@@ -152,9 +159,26 @@ class ExpertCache:
         plan = self.table.seed(range(self.num_layers * self.num_experts))
         if self.host_resident:
             return  # computed from the host bytes in place
-        for key, slot in plan.loads.items():
+        self._setup_loads(plan.loads)
+
+    def _setup_loads(self, loads: dict[int, int]) -> None:
+        """Copy ``loads`` (key -> slot) in before the first step: setup, not counted as traffic
+        (a RAM tier reads them through itself, layer by layer, and counts those reads)."""
+        by_layer: dict[int, dict[int, int]] = {}
+        for key, slot in loads.items():
             layer, expert = divmod(key, self.num_experts)
-            self.pool.load(slot, self.hosts[layer], expert)  # setup, not counted as traffic
+            by_layer.setdefault(layer, {})[expert] = slot
+        for layer, slots in by_layer.items():
+            host = self.hosts[layer]
+            if getattr(host, "tiered", False):  # in chunks the tier can hold at once
+                experts = list(slots)
+                for i in range(0, len(experts), self.top_k):
+                    view = host.fetch(experts[i:i + self.top_k], PREFILL)
+                    for e in experts[i:i + self.top_k]:
+                        self.pool.load(slots[e], view, view.rows[e])
+                continue
+            for expert, slot in slots.items():
+                self.pool.load(slot, host, expert)
         self.pool.ready()
 
     def _place_imatrix(self, counts, mode: str, run: CacheConfig) -> None:
@@ -162,10 +186,7 @@ class ExpertCache:
         if run.admission.name == "never" or self.pool.slots == 0:
             raise ValueError(f"imatrix placement needs cache slots; baseline {self.config.baseline!r} "
                              "keeps none (give slots or gpu_memory without a baseline)")
-        for key, slot in place(self.table, counts, mode).loads.items():
-            layer, expert = divmod(key, self.num_experts)
-            self.pool.load(slot, self.hosts[layer], expert)  # setup, not counted as traffic
-        self.pool.ready()
+        self._setup_loads(place(self.table, counts, mode).loads)
 
     # -- what the experts function asks -------------------------------------------
     def compute_on_cpu(self, expert: int, tokens) -> bool:
@@ -208,7 +229,8 @@ class ExpertCache:
             # the non-expert weights (a GGUF's lm_head, attention, embedding): runtime/cpudense.py
             "dense_kernel": dense.kernel, "dense_kernel_reason": dense.summary(),
             "bytes_per_slot": self.sizing.slot_bytes,
-            "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason})
+            "bytes_per_load": self.expert_bytes, "host_memory": mode, "host_memory_reason": reason,
+            **({} if self.tier is None else {"tier": self.tier.stats(), "tier_summary": self.tier.summary_line()})})
 
     def expert_kernel(self) -> tuple[str, str]:
         """(what computes the experts on the slots, why): ``SlotPool.kernel_report``."""
@@ -229,6 +251,8 @@ class ExpertCache:
 
     def reset_stats(self) -> None:
         self.table.reset_stats()
+        if self.tier is not None:
+            self.tier.reset_stats()
         if self.planner is not None:
             self.planner.reset_stats()
         self.h2d = [[0] * self.num_layers for _ in range(2)]
@@ -262,6 +286,7 @@ class ExpertCache:
                 "quant": None if self.codec is None else sorted({p.fmt.name for h in self.hosts
                                                                  for p in h.codec.parts}),
                 "host_memory": mode, "host_memory_reason": reason,
+                **({} if self.tier is None else {"tier": self.tier.stats()}),
                 "hardware": self.hardware.name, "hardware_source": self.hardware.source,
                 "planner": "host" if self.planner is None else "device", "planner_reason": self.planner_reason,
                 "graphs": self.graphs.summary(),

@@ -49,11 +49,21 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     experts = list(dict.fromkeys(chain.from_iterable(idx_rows)))
     plan = cache.table.step(layer, experts, phase) if planner is None else planner.host_step(layer, experts, phase)
     base, host, pool = layer * cache.num_experts, cache.hosts[layer], cache.pool
+    tiered = getattr(host, "tiered", False)  # host_memory='tiered': a RAM tier over the file
     if cache.host_resident:  # every expert is its own row of the host's bytes: no slots, no loads,
         # no per-pair lookup (the plan above only counts the hits)
+        if tiered:  # ... of the RAM tier's rows, read from the file where missing (runtime/tiered.py)
+            return host.routed(cache.kernels[layer], module, hidden, idx_h, top_k_weights, experts, phase)
         return cache.kernels[layer].routed(module, hidden, top_k_index, top_k_weights, host.tensors)
+    row = None
+    if tiered:  # slot misses are served from the RAM tier, else read from the file into it
+        host.count_tokens(phase, len(idx_rows))
+        need = [key - base for key in chain(plan.loads, plan.bypasses)]
+        if need:
+            host = host.fetch(need, phase)
+            row = host.rows
     for key, slot in plan.loads.items():  # the table now counts these resident: always copy
-        cache.h2d[phase][layer] += pool.load(slot, host, key - base)
+        cache.h2d[phase][layer] += pool.load(slot, host, key - base if row is None else row[key - base])
 
     hits = {key - base: slot for key, slot in plan.hits.items()}
     loads, staged, on_cpu = {}, [], []
@@ -70,15 +80,16 @@ def run_step(cache, layer: int, module: torch.nn.Module, hidden: torch.Tensor,
     # device pass is queued, so the copy waits for nothing but itself
     hidden_h, weights_h = _acts_to_host(hidden, top_k_weights) if on_cpu else (None, None)
     out = _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights,
-                         idx_rows, hits, loads, staged)
+                         idx_rows, hits, loads, staged, host, row)
     if on_cpu:  # runs on the host while the device works through the rounds queued above
         if cache.kernels is not None and not hits and not loads and not staged:
             # every pair of the step on the host's bytes (baseline cpu, a step of misses): the
             # routed pass, no per-pair Python
-            y = cache.kernels[layer].routed(module, hidden_h, idx_h, weights_h, host.tensors)
+            ids = idx_h if row is None else host.remap(idx_h)
+            y = cache.kernels[layer].routed(module, hidden_h, ids, weights_h, host.tensors)
         elif cache.kernels is not None:
             y = ggml_experts(cache.kernels[layer], module, hidden_h, weights_h, idx_rows,
-                             {e: e for e in on_cpu}, host.tensors)
+                             {e: e if row is None else row[e] for e in on_cpu}, host.tensors)
         else:
             pairs = defaultdict(list)
             for t, row in enumerate(idx_rows):
@@ -124,17 +135,19 @@ def plan_rounds(hits: dict[int, int], loads: dict[int, int], staged: list[int], 
 
 
 def _device_rounds(cache, layer, phase, module, hidden, top_k_index, top_k_weights, idx_rows,
-                   hits: dict[int, int], loads: dict[int, int], staged: list[int]) -> torch.Tensor | None:
-    """Compute the device's experts in the passes ``plan_rounds`` lays out."""
-    pool, host = cache.pool, cache.hosts[layer]
+                   hits: dict[int, int], loads: dict[int, int], staged: list[int], host,
+                   row: dict[int, int] | None = None) -> torch.Tensor | None:
+    """Compute the device's experts in the passes ``plan_rounds`` lays out; ``host`` holds the
+    bytes staged experts are copied from (expert ``e`` at ``row[e]``, or at ``e`` without ``row``)."""
+    pool = cache.pool
     # the fused kernel (runtime/fused.py, CUDA with Triton) reads quantized slots in place: no
-    # scratch, so no cap on the experts of a pass
-    fused = None if cache.direct else pool.fused_layout(module, host)
+    # scratch, so no cap on the experts of a pass (the layout from the layer's own codec)
+    fused = None if cache.direct else pool.fused_layout(module, cache.hosts[layer])
     max_view = pool.max_view if fused is None else None
     out = None
     for mapping, copies in plan_rounds(hits, loads, staged, pool.staging_ids, max_view, pool.cuda):
         for expert, slot in copies:
-            cache.h2d[phase][layer] += pool.load(slot, host, expert)
+            cache.h2d[phase][layer] += pool.load(slot, host, expert if row is None else row[expert])
         if not mapping:
             continue
         pool.ready(mapping.values())  # compute waits for copies into the slots it reads, only those

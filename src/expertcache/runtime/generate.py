@@ -238,6 +238,8 @@ def format_summary(summary: dict) -> str:
             rows.insert(-3, ("", capped))  # under the slot pool line
         if c.get("graphs"):
             rows.append(("graphs", graphs_label(c["graphs"])))
+        if c.get("tier"):  # host_memory='tiered' (runtime/tiered.py)
+            rows.append(("RAM tier", tier_line(c["tier"])))
     return "\n".join(f"{label:<14}{value}" for label, value in rows)
 
 
@@ -265,6 +267,17 @@ def slots_note(cache: dict) -> str | None:
            "only waste memory") if asked > total else \
         f"a per-layer partition takes whole slots per layer ({cache['slots'] // cache['layers']} each)"
     return f"--slots {asked} asked, {cache['slots']} used: {why}"
+
+
+def tier_line(tier: dict) -> str:
+    """The RAM tier's decode counters in one line (``TieredStore.stats()``)."""
+    from ..sizes import format_size
+
+    d = tier["decode"]
+    rate = f"{d['ram_hits'] / d['accesses']:.3f}" if d["accesses"] else "-"
+    return (f"{tier['rows']} experts ({format_size(tier['bytes'])}), {tier['policy']}; decode RAM hit rate "
+            f"{rate}, {d['file_reads']} experts read, {format_size(d['file_bytes_per_token'])} per token in "
+            f"{d['read_seconds']:.2f} s, {d.get('wait_seconds', 0):.2f} s waited ({tier['reads']})")
 
 
 def policy_label(config: dict) -> str:

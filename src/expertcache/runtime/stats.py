@@ -35,9 +35,10 @@ class LiveStats(Stats):
         if not self.pool:
             return table
         p = self.pool
+        tier = f"\n{p['tier_summary']}" if "tier_summary" in p else ""
         return (f"{table}\nslots: {p['slot_format']}, {format_size(p['bytes_per_slot'])} each, "
                 f"{format_size(p['bytes_per_load'])} per load; host experts: {p['host_memory']} "
-                f"({p['host_memory_reason']})"
+                f"({p['host_memory_reason']}){tier}"
                 + (f"\nexpert kernel: {p['expert_kernel']} ({p['expert_kernel_reason']})" if "expert_kernel" in p else ""))
 
     __repr__ = __str__

@@ -10,13 +10,14 @@ configuration. Torch-free; nothing but the header is read.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from ..config import MISS_PATHS
+from ..config import MISS_PATHS, host_budget_rows
 from ..sizes import parse_size
 from ..stats import DECODE
 from ..trace.format import Trace
 from ..costmodel import Hardware, ModelExperts, PoolSizing, tokens_per_second
+from ..costmodel.model import file_read_time
 from ..costmodel.pool import cap_slots, resolve_slot_format, staging_slots
 from ..quant.formats import QuantFormat, quant_format
 from ..quant.ggml import choose
@@ -30,6 +31,10 @@ class PlanRow:
     hit_rate: float | None
     miss_path: str
     tok_s: float | None
+    # host_memory='tiered' (plan --host-budget): the RAM tier's decode hit rate, experts read from
+    # the file per token, and tok_s with those reads at the profile's disk_gbps
+    ram_hit_rate: float | None = None
+    file_reads_per_token: float | None = None
 
 
 def formats_for(model: ModelExperts) -> tuple[str, ...]:
@@ -60,8 +65,8 @@ def pool_slots(model: ModelExperts, budget: int, slot_format: str, miss: str = "
 
 
 def plan(model: ModelExperts, gpu_memory: str | int, hw: Hardware, trace: Trace | None,
-         policies: list[str], partition: str = "global", device: str = "cuda", cpu_kernel_choice: str = "auto"
-         ) -> dict:
+         policies: list[str], partition: str = "global", device: str = "cuda", cpu_kernel_choice: str = "auto",
+         host_budget: str | int | float | None = None, host_policy: str = "default") -> dict:
     """Rows for every (policy, slot format, miss path) and the baselines; the best first.
 
     ``device`` ('cuda' or 'cpu') is where the run would go: it picks the slot format the
@@ -89,6 +94,16 @@ def plan(model: ModelExperts, gpu_memory: str | int, hw: Hardware, trace: Trace 
                 hits = hit_rates[policy, slots]
                 tok = _tok_s(model, hw, hits * per_token, (1 - hits) * per_token, path, fmt, ggml)
                 rows.append(PlanRow(f"{policy}, {fmt} slots, miss {path}", fmt, slots, hits, path, tok))
+    ram_rows = None
+    if host_budget is not None:  # a RAM tier under the slots: each row pays its file reads too
+        ram_rows = host_budget_rows(host_budget, model.layers * model.experts, model.cost.expert_bytes)
+        if ram_rows < model.top_k:
+            raise ValueError(f"host_budget={host_budget!r} holds {ram_rows} experts, fewer than the "
+                             f"top_k={model.top_k} one step needs")
+        if trace is not None:
+            from .replay import resolve_policy
+            specs = {str(p): resolve_policy(p) for p in policies}
+            rows = [_with_tier(r, trace, ram_rows, host_policy, partition, model, hw, specs) for r in rows]
     ranked = sorted(rows, key=lambda r: -(r.tok_s or 0.0))
     return {"model": model.name, "layers": model.layers, "experts": model.experts, "top_k": model.top_k,
             "quant": model.quant, "expert_bytes": model.cost.expert_bytes,
@@ -97,9 +112,29 @@ def plan(model: ModelExperts, gpu_memory: str | int, hw: Hardware, trace: Trace 
             "run_slot_format": resolve_slot_format("auto", model.cost.quantized, device, ggml and device == "cpu"),
             "cpu_kernel": kernel, "cpu_kernel_reason": kernel_reason,
             "slots": sizes, "trace": None if trace is None else trace.meta.get("source", "trace"),
+            "host_budget": host_budget, "ram_rows": ram_rows, "host_policy": host_policy if ram_rows else None,
+            "disk_gbps": hw.disk_gbps,
             "rows": [asdict(r) for r in ranked],
             # without hit rates there is no cache row to weigh against the baselines: no verdict
             "best": asdict(ranked[0]) if trace is not None else None}
+
+
+def _with_tier(row: PlanRow, trace: Trace, ram_rows: int, host_policy: str, partition: str,
+               model: ModelExperts, hw: Hardware, specs: dict) -> PlanRow:
+    """``row`` with a RAM tier of ``ram_rows`` under its slots: the tier replayed (``sim/tiers.py``)
+    behind the row's policy and slots, its file reads per decode token added at ``hw.disk_gbps``."""
+    from .tiers import replay_tiers
+
+    spec = specs.get(row.config.split(", ")[0]) if row.slots else None
+    gpu = (spec.spec.eviction, spec.spec.admission) if spec is not None else ("default", "always")
+    slots = row.slots if spec is not None else 0  # the baselines cache nothing: every use reaches RAM
+    tiers = replay_tiers(trace, ram_rows, host_policy, slots, gpu[0], partition, gpu[1]).phase(DECODE)
+    tokens = tiers["tokens"] or 1
+    reads = tiers["file_reads"] / tokens
+    tok = row.tok_s
+    if tok:
+        tok = 1.0 / (1.0 / tok + file_read_time(reads, model.cost, hw))
+    return replace(row, tok_s=tok, ram_hit_rate=tiers["ram_hit_rate"], file_reads_per_token=reads)
 
 
 def _decode_hit_rate(trace: Trace, policy: str, slots: int, partition: str) -> float:

@@ -1,0 +1,367 @@
+"""A model larger than its memory limit: the RAM tier against mmap + the page cache (issue 33).
+
+One GGUF several times the RAM budget (random Qwen3-MoE weights, experts in Q4_0, built here
+and kept), decoded on the CPU engine (``baseline='resident'``: every expert computed from host
+bytes by ggml; 32 sampled tokens, seeded) in a memory cgroup (v1, ``memory.limit_in_bytes``).
+Each tier budget (``--shares``, default 25 and 50% of the experts) is run against mmap in one
+limit, the same for both:
+
+- ``mmap``: ``host_memory='mmap'``, the file's pages cached by the OS inside the limit;
+- ``tiered N%``: ``host_memory='tiered'``, a RAM tier of that share of the experts, the rest
+  read with O_DIRECT.
+
+The limit of a pair is the peak RSS of a calibration run of its tier (no limit) plus
+``--slack`` (128 MiB: at 64 MiB the dense weights' page cache thrashed in the 50% limit).
+Each run is its own process, placed in the cgroup before it imports anything, after the page
+cache was dropped; configurations are interleaved over ``--repeats`` rounds, each round with
+its own all-in-RAM reference run (``host_memory='copy'``, no limit) whose tokens every run must
+produce. Bytes from disk: the process's ``/proc/self/io`` ``read_bytes`` during ``generate``.
+The disk bound: the O_DIRECT read bandwidth measured on the file (4 reader threads, 512 KiB
+blocks) over each run's disk bytes per decode token. Without a cgroup (not root, no v1 memory
+controller) the runs go unlimited and the script says so.
+
+    flock /tmp/bench.lock python benchmarks/bench_tiers.py --dir /tmp/tiers-bench --tokens 32 \
+        --repeats 3 --json benchmarks/results/bench_tiers.json --png benchmarks/results/bench_tiers.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # gguf_models: the tokenizer lists and metadata writer
+
+SHAPE = dict(hidden=1024, expert_ff=768, experts=64, top_k=8, layers=8)
+ROUTER_STD, EMBED_STD = 0.08, 0.1
+CGROUP = Path("/sys/fs/cgroup/memory")
+PROMPT = [5, 9, 77, 120, 3, 44, 200, 17]  # token ids of the byte-level vocabulary
+
+
+# -- the model ----------------------------------------------------------------------------
+def build_model(path: Path, seed: int = 0) -> Path:
+    """A Qwen3-MoE GGUF: dense part from a random transformers model (tiny expert FF, so it
+    builds in seconds), experts as random Q4_0 blocks of the real FF size."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    from gguf_models import _metadata, tokenizer_lists
+
+    s = SHAPE
+    tokens, _, _ = tokenizer_lists()
+    torch.manual_seed(seed)
+    cfg = tf.Qwen3MoeConfig(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=128, vocab_size=len(tokens), intermediate_size=3072,
+                            moe_intermediate_size=8, num_experts=s["experts"], num_experts_per_tok=s["top_k"],
+                            decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=4096,
+                            rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                            bos_token_id=len(tokens) - 2, eos_token_id=len(tokens) - 2)
+    model = tf.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # routing that varies from token to token, as a trained model's (init's: 0.02)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, ROUTER_STD)
+        model.model.embed_tokens.weight.normal_(0, EMBED_STD)  # each token's own direction counts
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    cfg.moe_intermediate_size = s["expert_ff"]  # what the metadata says; the tensors agree
+    _metadata(writer, cfg, "qwen3moe", True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, s["layers"])
+    for hf_name, tensor in model.state_dict().items():
+        if ".experts." in hf_name:
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
+    rng = np.random.default_rng(seed)
+    E, H, I = s["experts"], s["hidden"], s["expert_ff"]
+    for layer in range(s["layers"]):
+        for kind, (rows, cols) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            blocks = rng.integers(0, 256, (E, rows, cols // 32, 18), dtype=np.uint8)  # Q4_0: fp16 d + 16 B
+            d = (rng.uniform(0.002, 0.006, (E, rows, cols // 32)) / np.sqrt(cols / 256)).astype(np.float16)
+            blocks[..., :2] = d.view(np.uint8).reshape(E, rows, cols // 32, 2)
+            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", blocks.reshape(E, rows, -1),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# -- one run (a child process) --------------------------------------------------------------
+def child(spec: dict) -> None:
+    if spec.get("cgroup"):
+        (Path(spec["cgroup"]) / "cgroup.procs").write_text(str(os.getpid()))
+    import torch
+
+    import expertcache
+    from expertcache.runtime.generate import report
+    from expertcache.runtime.threads import ggml_threads
+
+    torch.set_num_threads(spec["threads"])
+    t0 = time.perf_counter()
+    model = expertcache.offload(spec["model"], device="cpu", baseline="resident", **spec["settings"])
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([PROMPT])
+    cache = model.expertcache
+    cache.reset_stats()
+    before = _io()
+    t0 = time.perf_counter()
+    torch.manual_seed(0)  # sampled (seeded): greedy decoding of random weights repeats one token
+    out = model.generate(ids, max_new_tokens=spec["tokens"], do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    wall = time.perf_counter() - t0
+    after = _io()
+    rep = report(model)
+    decode = [rep[f"decode_{p}"] for p in ("cold", "warm", "steady")]
+    dec_tokens, dec_s = sum(p["tokens"] for p in decode), sum(p["seconds"] for p in decode)
+    tier = cache.stats().pool.get("tier")
+    result = {"label": spec["label"], "load_s": load_s, "wall_s": wall, "prefill_s": rep["prefill"]["seconds"],
+              "decode_tokens": dec_tokens, "decode_s": dec_s, "tok_s": dec_tokens / dec_s,
+              "disk_read_bytes": after["read_bytes"] - before["read_bytes"],
+              "rchar": after["rchar"] - before["rchar"], "tokens": out[0].tolist(),
+              "peak_rss": _status("VmHWM"), "ggml_threads": ggml_threads(), "tier": tier,
+              "host_memory": cache.host_mode[0]}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _io() -> dict:
+    return {k: int(v) for k, v in (line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())}
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(model: Path, label: str, settings: dict, tokens: int, threads: int, cgroup: Path | None) -> dict:
+    _drop_caches()
+    spec = {"model": str(model), "label": label, "settings": settings, "tokens": tokens, "threads": threads,
+            "cgroup": None if cgroup is None else str(cgroup)}
+    if cgroup is not None:
+        (cgroup / "memory.max_usage_in_bytes").write_text("0")
+        (cgroup / "memory.failcnt").write_text("0")
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        oom = " (killed: out of memory in the cgroup?)" if proc.returncode in (-9, 137) else ""
+        tail = "\n".join(proc.stderr.splitlines()[-6:])
+        return {"label": label, "error": f"exit {proc.returncode}{oom}: {tail}"}
+    result = json.loads(lines[-1][len("RESULT "):])
+    if cgroup is not None:
+        result["cgroup_max_usage"] = int((cgroup / "memory.max_usage_in_bytes").read_text())
+        result["cgroup_failcnt"] = int((cgroup / "memory.failcnt").read_text())
+    return result
+
+
+def _drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        return True
+    except OSError:
+        return False
+
+
+def make_cgroup(name: str, limit: int) -> tuple[Path | None, str]:
+    path = CGROUP / name
+    try:
+        path.mkdir(exist_ok=True)
+        (path / "memory.limit_in_bytes").write_text(str(limit))
+        got = int((path / "memory.limit_in_bytes").read_text())
+        return path, f"cgroup v1 {path}, memory.limit_in_bytes {got}"
+    except OSError as err:
+        return None, f"no memory cgroup ({err}); runs unlimited, counters still reported"
+
+
+# -- the table ----------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default="/tmp/tiers-bench", help="where the model is built (kept)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slack", default="128MiB", help="added to the calibration peak RSS for the limit")
+    ap.add_argument("--limit", help="one cgroup limit for every pair (bytes or 1GiB); default: calibrated "
+                    "per tier budget")
+    ap.add_argument("--shares", type=int, nargs="+", default=[25, 50], help="tier budgets, %% of the experts")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of every configuration (best one shown)")
+    ap.add_argument("--json")
+    ap.add_argument("--png")
+    args = ap.parse_args()
+    if args.child:
+        return child(json.loads(args.child))
+    from expertcache.ggufmodel.header import read_header
+    from expertcache.runtime.directio import read_bandwidth
+    from expertcache.sizes import format_size, parse_size
+
+    folder = Path(args.dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = folder / "qwen3moe-q4_0-tiers.gguf"
+    if not model.exists():
+        print(f"building {model} ...", flush=True)
+        build_model(model)
+    header = read_header(model)
+    experts_bytes, file_bytes = header.experts_bytes, model.stat().st_size
+    print(f"model {model}: {format_size(file_bytes)}, experts {format_size(experts_bytes)} "
+          f"({header.num_experts} x {len(header.moe_blocks)} layers, {format_size(header.expert_bytes)} each)")
+    _drop_caches()
+    bandwidth = read_bandwidth(model, limit=file_bytes)
+    print(f"O_DIRECT read bandwidth {bandwidth / 1e9:.2f} GB/s (4 threads, 512 KiB blocks, whole file)", flush=True)
+    ref_settings = dict(host_memory="copy")
+    limits = {}
+    for share in args.shares:  # the limit each tier fits in: its peak RSS without a limit, plus the slack
+        if args.limit:
+            limit = parse_size(args.limit)
+        else:
+            cal = run(model, f"calibration: tiered {share}%, no limit", _tier(share), 4, args.threads, None)
+            limit = cal["peak_rss"] + parse_size(args.slack)
+            print(f"calibration tiered {share}%: peak RSS {format_size(cal['peak_rss'])} -> limit "
+                  f"{format_size(limit)}", flush=True)
+        limits[share] = {"limit": limit}
+    rounds = []
+    for rnd in range(args.repeats):  # interleaved: load from other processes hits every config alike
+        ref = run(model, "copy (all in RAM, reference)", ref_settings, args.tokens, args.threads, None)
+        print(f"round {rnd + 1}: reference {ref.get('tok_s', 0):.2f} tok/s, peak RSS "
+              f"{format_size(ref.get('peak_rss', 0))}", flush=True)
+        rows = []
+        for share in args.shares:
+            limit = limits[share]["limit"]
+            cgroup, cg_text = make_cgroup("expertcache-tiers", limit)
+            limits[share]["cgroup"] = cg_text
+            for label, settings in ((f"mmap ({share}% limit)", dict(host_memory="mmap")),
+                                    (f"tiered {share}%", _tier(share))):
+                r = run(model, label, settings, args.tokens, args.threads, cgroup)
+                r.update(limit=limit, pair=share, round=rnd + 1)
+                _score(r, ref, bandwidth)
+                rows.append(r)
+                print(_line(r, format_size), flush=True)
+        rounds.append({"reference": ref, "runs": rows})
+    # per configuration, its fastest round (the least disturbed by other processes)
+    best = {}
+    for rnd in rounds:
+        for r in rnd["runs"]:
+            if "error" not in r and (r["label"] not in best or r["tok_s"] > best[r["label"]]["tok_s"]):
+                best[r["label"]] = r
+    rows = [best[label] for label in dict.fromkeys(r["label"] for rnd in rounds for r in rnd["runs"])
+            if label in best]
+    ref = max((rnd["reference"] for rnd in rounds), key=lambda r: r.get("tok_s", 0))
+    doc = {"machine": _machine(), "load_before": os.getloadavg(), "model": str(model), "file_bytes": file_bytes,
+           "experts_bytes": experts_bytes, "shape": SHAPE, "odirect_bandwidth": bandwidth,
+           "limits": limits, "tokens": args.tokens, "threads": args.threads,
+           "reference": ref, "runs": rows, "rounds": rounds, "repeats": args.repeats, "uptime": subprocess.run(["uptime"], capture_output=True,
+                                                                       text=True).stdout.strip()}
+    mm = next((r for r in rows if r["label"].startswith("mmap") and r["pair"] == 25 and "error" not in r), None)
+    t25 = next((r for r in rows if r["label"] == "tiered 25%" and "error" not in r), None)
+    if mm and t25:
+        doc["goals"] = {"speedup_25_vs_mmap": t25["tok_s"] / mm["tok_s"],
+                        "disk_bytes_ratio_25_vs_mmap": t25["disk_bytes_per_token"] / mm["disk_bytes_per_token"]
+                        if mm["disk_bytes_per_token"] else None,
+                        "of_bound_25": t25["of_bound"],
+                        "tokens_equal": all(r.get("tokens_equal_reference") for rnd in rounds for r in rnd["runs"])}
+        per_round = []  # the same ratios side by side within each round
+        for rnd in rounds:
+            by = {r["label"]: r for r in rnd["runs"] if "error" not in r}
+            a, b = by.get("tiered 25%"), by.get("mmap (25% limit)")
+            if a and b:
+                per_round.append({"speedup_25_vs_mmap": a["tok_s"] / b["tok_s"],
+                                  "disk_bytes_ratio_25_vs_mmap": a["disk_bytes_per_token"] / b["disk_bytes_per_token"]})
+        doc["goals"]["per_round"] = per_round
+        print("goals:", json.dumps(doc["goals"]))
+    print(doc["uptime"])
+    _table(rows, format_size)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.png:
+        _plot(doc, Path(args.png))
+
+
+def _tier(share: int) -> dict:
+    return dict(host_memory="tiered", host_budget=f"{share}%")
+
+
+def _score(r: dict, ref: dict, bandwidth: float) -> None:
+    """Disk bytes per decode token (prefill reads included), the bounds, the RAM hit rate."""
+    if "error" in r:
+        return
+    r["disk_bytes_per_token"] = r["disk_read_bytes"] / r["decode_tokens"]
+    r["disk_bound_tok_s"] = bandwidth / r["disk_bytes_per_token"] if r["disk_bytes_per_token"] else None
+    # the run cannot beat the all-in-RAM run's compute either: the bound is the lower of the two
+    r["bound_tok_s"] = min(b for b in (r["disk_bound_tok_s"], ref.get("tok_s")) if b)
+    r["of_disk_bound"] = r["tok_s"] / r["disk_bound_tok_s"] if r["disk_bound_tok_s"] else None
+    r["of_bound"] = r["tok_s"] / r["bound_tok_s"]
+    r["tokens_equal_reference"] = r["tokens"] == ref.get("tokens")
+    d = (r["tier"] or {}).get("decode", {})
+    r["ram_hit_rate"] = d["ram_hits"] / d["accesses"] if d.get("accesses") else None
+
+
+def _line(r: dict, format_size) -> str:
+    if "error" in r:
+        return f"{r['label']}: {r['error']}"
+    hit = "-" if r["ram_hit_rate"] is None else f"{r['ram_hit_rate']:.3f}"
+    return (f"{r['label']} (limit {format_size(r['limit'])}): {r['tok_s']:.2f} tok/s, "
+            f"{format_size(r['disk_bytes_per_token'])} from disk per token, RAM hits {hit}, "
+            f"{r['of_disk_bound']:.2f} of the disk bound, {r['of_bound']:.2f} of min(disk, all-in-RAM), "
+            f"tokens equal: {r['tokens_equal_reference']}")
+
+
+def _table(rows: list[dict], format_size) -> None:
+    print(f"{'config':<18}{'limit':>12}{'tok/s':>8}{'disk/token':>14}{'RAM hits':>10}{'disk bound':>12}"
+          f"{'of bound':>10}{'peak cgroup':>13}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['label']:<18} error")
+            continue
+        hit = "-" if r["ram_hit_rate"] is None else f"{r['ram_hit_rate']:.3f}"
+        print(f"{r['label']:<18}{format_size(r['limit']):>12}{r['tok_s']:>8.2f}"
+              f"{format_size(r['disk_bytes_per_token']):>14}{hit:>10}{r['disk_bound_tok_s'] or 0:>12.1f}"
+              f"{r['of_bound']:>10.2f}{format_size(r.get('cgroup_max_usage', 0)):>13}")
+
+
+def _machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    return f"{cpu}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') >> 30} GiB"
+
+
+def _plot(doc: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = doc["rounds"]
+    labels = [r["label"] for r in rounds[0]["runs"]]
+    width = 0.8 / len(rounds)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, rnd in enumerate(rounds):  # each round side by side: ratios hold within a round
+        by = {r["label"]: r for r in rnd["runs"] if "error" not in r}
+        xs = [j + (i - (len(rounds) - 1) / 2) * width for j in range(len(labels))]
+        colors = ["tab:gray" if lab.startswith("mmap") else "tab:blue" for lab in labels]
+        a.bar(xs, [by[lab]["tok_s"] if lab in by else 0 for lab in labels], width, color=colors,
+              alpha=1.0 - 0.35 * i, edgecolor="k", lw=0.5)
+        a.hlines(rnd["reference"]["tok_s"], xs[0] - width / 2, xs[-1] + width / 2, colors="k", ls="--", lw=1,
+                 label="all in RAM (no limit), per round" if i == 0 else None)
+        b.bar(xs, [by[lab]["disk_bytes_per_token"] / 2**20 if lab in by else 0 for lab in labels], width,
+              color=colors, alpha=1.0 - 0.35 * i, edgecolor="k", lw=0.5)
+    for ax in (a, b):
+        ax.set_xticks(range(len(labels)), [lab.replace(" (", "\n(") for lab in labels], fontsize=8)
+    a.set_ylabel(f"decode tok/s (rounds 1..{len(rounds)}, left to right)")
+    a.legend(fontsize=8)
+    b.set_ylabel("MiB read from disk per decode token")
+    limits = ", ".join(f"{k}%: {v['limit'] / 2**20:.0f} MiB" for k, v in doc["limits"].items())
+    fig.suptitle(f"{doc['machine']}; load {doc['load_before'][0]:.1f}; cgroup limits {limits}; file "
+                 f"{doc['file_bytes'] / 2**20:.0f} MiB; O_DIRECT {doc['odirect_bandwidth'] / 1e9:.2f} GB/s",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

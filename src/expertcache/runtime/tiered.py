@@ -1,0 +1,320 @@
+"""The RAM tier: ``host_memory='tiered'``, a cache of experts in RAM over the model file.
+
+For models larger than RAM. Instead of memory-mapping the file and leaving the OS page cache
+to decide what stays (4 KiB pages, readahead past each expert, eviction that knows nothing of
+experts), the host keeps ``host_budget`` experts in rows of its own buffers (pinned with CUDA),
+chosen by a ``SlotTable`` under ``host_policy`` (any policy of the registry: the same code
+that runs the device slots and the simulator, so ``sim/tiers.py`` replays it exactly). A
+step's experts missing from RAM are read from the file with ``O_DIRECT`` by a few reader
+threads at once (``runtime/directio.py``), at the offsets the GGUF header gives.
+
+Keys, phases and the step order are the device table's: the CPU engine's resident run asks
+the tier for every step's experts; a run with device slots asks it for the experts a slot
+plan loads or bypasses (a slot miss is served from RAM, else from the file).
+
+Shapes: ``TieredStore.pool[part]`` is ``[R, stride]`` uint8, R rows of the RAM tier, stride
+the largest of that part's per-expert bytes over the layers (llama.cpp's Q4_K_M mixes types
+by layer); ``TieredExperts.tensors[part]`` is the ``[R, nbytes]`` view one layer reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..cache import SlotTable
+from ..config import host_budget_rows
+from ..sizes import format_size
+from ..stats import DECODE, PREFILL
+from .device import free_memory
+from .directio import READERS, DirectFile, ReadCounters, ReadPool
+from .host import pinned_copy
+from .quantized import Codec
+
+
+@dataclass
+class Pending:
+    """A step of the tier whose reads may still run: ``rows`` expert -> row (of the pool, or of
+    ``compact`` for a step wider than the tier), ``reading`` the experts being read."""
+
+    rows: dict[int, int]
+    reading: set[int]
+    phase: int
+    compact: dict[str, np.ndarray] | None = None
+    copies: dict[int, int] = field(default_factory=dict)  # compact row <- pool slot, once read
+    futures: list = field(default_factory=list)
+    t0: float = 0.0
+
+
+@dataclass(frozen=True)
+class PartRange:
+    """Where one layer's part lives in the file: ``[E, nbytes]`` from byte ``offset`` of ``file``."""
+
+    file: Path
+    offset: int
+    nbytes: int  # per expert
+
+
+class TieredStore:
+    """The RAM tier of one model: rows, the table choosing them, the files and reader threads.
+
+    ``layers[l][part]``: that part's ``PartRange``; ``rows``: experts the tier holds;
+    ``policy``: its eviction (a name, ``PolicySpec`` or instance); ``cuda``: pin the rows.
+    """
+
+    def __init__(self, layers: list[dict[str, PartRange]], num_experts: int, rows: int, policy, top_k: int,
+                 cuda: bool = False, direct: bool = True, threads: int = READERS) -> None:
+        self.num_layers, self.num_experts, self.rows = len(layers), num_experts, rows
+        self.layers = layers
+        names = set(layers[0])
+        if any(set(layer) != names for layer in layers):
+            raise ValueError("the RAM tier needs the same expert tensors in every MoE layer")
+        self.stride = {p: max(layer[p].nbytes for layer in layers) for p in sorted(names)}
+        self.row_bytes = sum(self.stride.values())
+        self.table = SlotTable(self.num_layers, num_experts, rows, eviction=policy, admission="always",
+                               partition="global", top_k=top_k)
+        ends: dict[Path, int] = {}
+        for layer in layers:
+            for part in layer.values():
+                ends[part.file] = max(ends.get(part.file, 0), part.offset + num_experts * part.nbytes)
+        self.files = {path: DirectFile(path, need, direct) for path, need in ends.items()}
+        self.direct = all(f.direct for f in self.files.values())
+        self.read_reason = next(iter(self.files.values())).mode_reason if self.direct else \
+            next(f.mode_reason for f in self.files.values() if not f.direct)
+        self.pool = {p: _buffer(rows, s, cuda) for p, s in self.stride.items()}
+        self._np = {p: t.numpy() for p, t in self.pool.items()}
+        self.reader = ReadPool(threads)
+        self.before_write = None  # set by the engine with CUDA: waits for copies out of the rows
+        self.reset_stats()
+
+    # -- one step ---------------------------------------------------------------------
+    def fetch(self, layer: int, experts: list[int], phase: int) -> tuple[dict[str, np.ndarray] | None, dict[int, int]]:
+        """Make ``experts`` of ``layer`` (unique, rank order) readable: ``(tensors, rows)``.
+
+        ``tensors`` is None when every expert has a row of the pool (``rows``: expert -> row);
+        a step wider than the tier (its bypasses) gets a compact copy instead: ``tensors[part]``
+        ``[W, stride]`` holding the W experts, ``rows`` into it."""
+        pending = self.start(layer, experts, phase)
+        self.finish(pending)
+        return pending.compact, pending.rows
+
+    def start(self, layer: int, experts: list[int], phase: int) -> Pending:
+        """Plan the step and start its reads; ``finish`` waits for them. Rows of the step's RAM hits
+        can be read meanwhile (reads only write the rows of the experts in ``Pending.reading``)."""
+        plan = self.table.step(layer, experts, phase)
+        base = layer * self.num_experts
+        rows = {key - base: slot for key, slot in plan.hits.items()}
+        rows.update((key - base, slot) for key, slot in plan.loads.items())
+        jobs = [job for key, slot in plan.loads.items() for job in self._jobs(layer, key - base, self._np, slot)]
+        pending = Pending(rows, {key - base for key in plan.loads}, phase)
+        if plan.bypasses:  # wider than the tier: every expert of the step into one compact copy
+            width = len(rows) + len(plan.bypasses)
+            compact = {p: np.empty((width, s), np.uint8) for p, s in self.stride.items()}
+            for i, (e, slot) in enumerate(rows.items()):
+                if e + base not in plan.loads:  # loads are copied once read (finish)
+                    for p in compact:
+                        compact[p][i] = self._np[p][slot]
+                rows[e] = i
+            for i, key in enumerate(plan.bypasses, start=len(rows)):
+                jobs += self._jobs(layer, key - base, compact, i)
+                rows[key - base] = i
+            pending.compact = compact
+            pending.copies = {rows[key - base]: slot for key, slot in plan.loads.items()}
+            pending.reading |= {key - base for key in plan.bypasses}
+        if jobs:
+            if self.before_write is not None:  # CUDA: no copy to a slot may still read these rows
+                self.before_write()
+            for f in self.files.values():
+                f.check()
+            pending.t0 = time.perf_counter()
+            pending.futures = self.reader.submit(jobs)
+        return pending
+
+    def finish(self, pending: Pending) -> None:
+        """Wait for ``pending``'s reads; count them (``read_seconds``: from their start, ``wait_seconds``:
+        the part the caller waited for)."""
+        if pending.futures:
+            t = time.perf_counter()
+            got = self.reader.collect(pending.futures, pending.t0)
+            self.counts[pending.phase].add(got)
+            self.waited[pending.phase] += time.perf_counter() - t
+            pending.futures = []
+        for row, slot in pending.copies.items():  # loads landed in the pool: into the compact copy too
+            for p in pending.compact:
+                pending.compact[p][row] = self._np[p][slot]
+        pending.copies = {}
+
+    def _jobs(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> list:
+        out = []
+        for p, rng in self.layers[layer].items():
+            out.append((self.files[rng.file], dst[p][row, :rng.nbytes], rng.offset + expert * rng.nbytes,
+                        f"layer {layer} expert {expert} ({p}, {rng.nbytes} bytes)"))
+        return out
+
+    # -- counters -----------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.table.reset_stats()
+        self.counts = [ReadCounters(), ReadCounters()]  # [phase]
+        self.waited = [0.0, 0.0]  # [phase] seconds a step waited for its reads (the rest overlapped)
+        self.tokens = [0, 0]
+
+    def stats(self) -> dict:
+        """RAM-tier hits, file reads (experts), bytes read per phase and per decode token, read time."""
+        table = self.table.stats()
+        out = {"rows": self.rows, "bytes": self.rows * self.row_bytes, "policy": self.table.eviction_name,
+               "reads": "O_DIRECT" if self.direct else "buffered+DONTNEED", "read_reason": self.read_reason,
+               "reader_threads": self.reader.threads}
+        for phase, name in ((PREFILL, "prefill"), (DECODE, "decode")):
+            sums, c = table.sums(phase), self.counts[phase]
+            tok = self.tokens[phase]
+            out[name] = {"accesses": sums["accesses"], "ram_hits": sums["hits"],
+                         "file_reads": sums["loads"] + sums["bypasses"], "read_ranges": c.reads,
+                         "file_bytes": c.bytes, "disk_bytes": c.disk_bytes, "read_seconds": round(c.seconds, 6),
+                         "wait_seconds": round(self.waited[phase], 6),
+                         "tokens": tok, "file_bytes_per_token": c.bytes / tok if tok else 0.0}
+        return out
+
+    def summary_line(self) -> str:
+        s = self.stats()
+        d = s["decode"]
+        rate = d["ram_hits"] / d["accesses"] if d["accesses"] else 0.0
+        return (f"RAM tier: {s['rows']} experts ({format_size(s['bytes'])}), {s['policy']}; decode RAM hits "
+                f"{rate:.1%}, {d['file_reads']} experts read from the file, "
+                f"{format_size(d['file_bytes_per_token'])} per token, {d['read_seconds']:.2f} s reading, "
+                f"{d['wait_seconds']:.2f} s of it waited for ({s['reads']}: {s['read_reason']})")
+
+    def close(self) -> None:
+        self.reader.close()
+        for f in self.files.values():
+            f.close()
+
+
+def _buffer(rows: int, stride: int, cuda: bool) -> torch.Tensor:
+    out = torch.zeros(rows, stride, dtype=torch.uint8)  # touched now: the budget is resident
+    return pinned_copy(out) if cuda else out
+
+
+class TieredExperts:
+    """One MoE layer's experts in the RAM tier: what the engine holds as a host (``tensors``
+    are the pool's rows; expert ``e`` is row ``rows[e]`` of the step that fetched it)."""
+
+    tiered = True
+    transposed = False
+
+    def __init__(self, store: TieredStore, layer: int, codec: Codec, reason: str) -> None:
+        self.store, self.layer, self.codec = store, layer, codec
+        self.num_experts = store.num_experts
+        self.expert_bytes = codec.expert_bytes
+        self.mode, self.mode_reason = "tiered", reason
+        self.tensors = {p: store.pool[p][:, :codec.part[p].nbytes] for p in store.stride}
+
+    def count_tokens(self, phase: int, tokens: int) -> None:
+        """A step of ``tokens`` tokens ran at this layer (counted at layer 0: bytes per token)."""
+        if self.layer == 0:
+            self.store.tokens[phase] += tokens
+
+    def fetch(self, experts: list[int], phase: int) -> StepView:
+        """The step's ``experts`` (unique, rank order) readable from RAM: read what is missing."""
+        pending = self.store.start(self.layer, experts, phase)
+        self.store.finish(pending)
+        return self._view(pending)
+
+    def routed(self, kernel, module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               experts: list[int], phase: int) -> torch.Tensor:
+        """The CPU engine's resident step over the RAM tier: start the reads of the missing experts,
+        compute the pairs of the experts in RAM while they run, then the rest (``_overlapped``);
+        ids remapped to rows. hidden [T, H], top_k_index [T, K]; returns [T, H]."""
+        self.count_tokens(phase, top_k_index.shape[0])
+        pending = self.store.start(self.layer, experts, phase)
+        if pending.futures and pending.compact is None and kernel._silu_gate(module):
+            return _overlapped(kernel, self.store, pending, hidden, top_k_index, top_k_weights, self.tensors)
+        self.store.finish(pending)
+        view = self._view(pending)
+        return kernel.routed(module, hidden, view.remap(top_k_index), top_k_weights, view.tensors)
+
+    def _view(self, pending: Pending) -> StepView:
+        tensors = self.tensors if pending.compact is None else \
+            {p: torch.from_numpy(t[:, :self.codec.part[p].nbytes]) for p, t in pending.compact.items()}
+        return StepView(tensors, pending.rows, self.codec)
+
+    def restore(self, module: torch.nn.Module) -> None:
+        """Nothing to hand back: a GGUF model's experts modules never held weights."""
+
+
+class StepView:
+    """One step's experts as rows of ``tensors[part]`` ``[n, nbytes]``: what the slot pool copies
+    from (``pool.load(slot, view, view.rows[e])``) and the CPU paths compute on."""
+
+    transposed = False
+
+    def __init__(self, tensors: dict[str, torch.Tensor], rows: dict[int, int], codec: Codec) -> None:
+        self.tensors, self.rows, self.codec = tensors, rows, codec
+        self.expert_bytes = codec.expert_bytes
+
+    def remap(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, K] -> rows of ``tensors`` [T, K] (int64)."""
+        lut = torch.zeros(max(self.rows) + 1, dtype=torch.int64)
+        lut[list(self.rows)] = torch.tensor(list(self.rows.values()), dtype=torch.int64)
+        return lut[top_k_index.cpu()]
+
+    def expert(self, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's compute weights, dequantized (the torch CPU miss path)."""
+        row = self.rows[expert]
+        decoded = self.codec.decode({k: t[row:row + 1] for k, t in self.tensors.items()})
+        return {k: t[0] for k, t in decoded.items()}
+
+
+def _overlapped(kernel, store: TieredStore, pending: Pending, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``GgmlExperts.routed`` in two passes around the reads: the pairs of experts in RAM first (the
+    missing ones' rows pointed at a resident row, their outputs replaced after), then the missing
+    ones' pairs alone, once read. ggml computes each (token, expert) pair on its own (the same
+    bytes whatever else is in the graph), so the result is the one-pass result bit for bit
+    (``tests/test_tiers.py``). hidden [T, H], top_k_index [T, K] -> [T, H]."""
+    T, K = top_k_index.shape
+    rows = pending.rows
+    lut = torch.zeros(max(rows) + 1, dtype=torch.int32)
+    lut[list(rows)] = torch.tensor(list(rows.values()), dtype=torch.int32)
+    ids = lut[top_k_index.cpu()].contiguous()                                       # [T, K] rows
+    reading = torch.zeros(max(rows) + 1, dtype=torch.bool)
+    reading[list(pending.reading)] = True
+    miss = reading[top_k_index.cpu()].reshape(-1)                                    # [T*K] pairs read now
+    hit_rows = ids.reshape(-1)[~miss]
+    if hit_rows.numel():  # the RAM hits, while the reads run (their rows are not being written)
+        first = ids.clone()
+        first.view(-1)[miss] = hit_rows[0]
+        out = kernel._silu_mlp(hidden, first, tensors)                               # [T*K, H]
+    else:
+        out = torch.empty(T * K, kernel.part[kernel.down.parts[0]].shape[0])
+    store.finish(pending)
+    pairs = miss.nonzero().squeeze(1)                                                # [N]
+    x = hidden.index_select(0, pairs // K)                                           # [N, H]
+    out[pairs] = kernel._silu_mlp(x, ids.view(-1)[pairs].view(-1, 1).contiguous(), tensors)
+    w = top_k_weights.to(out.dtype).unsqueeze(1)                                     # [T, 1, K]
+    return torch.bmm(w, out.view(T, K, -1)).squeeze(1).to(hidden.dtype)              # [T, H]
+
+
+def build_tiered(layers: list[dict[str, PartRange]], codecs: list[Codec], num_experts: int, top_k: int,
+                 budget, policy, device: torch.device, direct: bool = True) -> list[TieredExperts]:
+    """The RAM tier for a model's expert ranges: one ``TieredExperts`` per MoE layer (bad budgets
+    refused with one line before any memory is taken)."""
+    total = len(layers) * num_experts
+    row_bytes = sum(max(layer[p].nbytes for layer in layers) for p in layers[0])
+    rows = host_budget_rows(budget, total, row_bytes)
+    if rows < top_k:
+        raise ValueError(f"host_budget={budget!r} holds {rows} experts of {format_size(row_bytes)}, fewer than "
+                         f"the top_k={top_k} one step needs; give at least {format_size(top_k * row_bytes)} "
+                         f"or {100 * top_k / total:.2g}% of the experts")
+    free = free_memory(torch.device("cpu"))
+    if free is not None and rows * row_bytes > free:
+        raise ValueError(f"host_budget={budget!r} is {format_size(rows * row_bytes)} of experts but only "
+                         f"{format_size(free)} of RAM is available; give a smaller host_budget")
+    store = TieredStore(layers, num_experts, rows, policy, top_k, device.type == "cuda", direct)
+    reason = (f"RAM tier of {rows} of {total} experts ({format_size(rows * row_bytes)}, "
+              f"{100 * rows / total:.0f}%) under {store.table.eviction_name}; the rest read from the file "
+              f"({'O_DIRECT' if store.direct else 'buffered'}: {store.read_reason})")
+    return [TieredExperts(store, layer, codec, reason) for layer, codec in enumerate(codecs)]

@@ -1,0 +1,366 @@
+"""host_memory='tiered': a RAM tier over the GGUF file, read around the page cache (issue 33).
+
+The tier must compute what the all-in-RAM run computes (same tokens), count what it reads,
+equal its replay in ``sim/tiers.py``, and refuse bad budgets, failed or short reads and a
+file changed under it with one line that names what went wrong.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+import expertcache  # noqa: E402
+from expertcache.config import CacheConfig, host_budget_rows  # noqa: E402
+from expertcache.integrations.record import record  # noqa: E402
+from expertcache.runtime.directio import (ALIGN, DirectFile, ExpertReadError, FileChangedError,  # noqa: E402
+                                          ReadPool, read_bandwidth)
+from expertcache.sim.tiers import bound, replay_tiers  # noqa: E402
+from gguf_models import write_gguf  # noqa: E402
+
+PROMPT = torch.tensor([[5, 9, 77, 120, 3, 44, 200, 17]])
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("tiers") / "tiny.gguf", "qwen3_moe", "Q8_0", layers=2, experts=16)
+
+
+@pytest.fixture(scope="module")
+def want(model_file):
+    ref = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy")
+    return ref.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+
+
+# -- settings -------------------------------------------------------------------------------
+def test_budget_spellings():
+    assert host_budget_rows("25%", 128, 1000) == 32
+    assert host_budget_rows(0.5, 128, 1000) == 64
+    assert host_budget_rows("10KB", 128, 1000) == 10
+    assert host_budget_rows("1GiB", 128, 1000) == 128  # capped at every expert
+    for bad, msg in [("x%", "cannot read host_budget"), (1.5, "share of the experts"), ("0%", "share"),
+                     ("lots", "cannot read memory size")]:
+        with pytest.raises(ValueError, match=msg):
+            CacheConfig(baseline="resident", host_memory="tiered", host_budget=bad)
+    with pytest.raises(ValueError, match="needs host_budget"):
+        CacheConfig(baseline="resident", host_memory="tiered")
+    with pytest.raises(ValueError, match="host_budget sizes the RAM tier"):
+        CacheConfig(baseline="resident", host_budget="25%")
+    with pytest.raises(ValueError, match="offline oracle"):
+        CacheConfig(baseline="resident", host_memory="tiered", host_budget="25%", host_policy="belady")
+    assert CacheConfig(baseline="resident", host_memory="tiered", host_budget=0.25,
+                       host_policy="lru").to_dict()["host_policy"] == "lru"
+
+
+def test_budget_below_one_step_or_above_ram(model_file, monkeypatch):
+    with pytest.raises(ValueError, match=r"holds 1 experts .* fewer than the top_k=2 one step needs"):
+        expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget="1%")
+    import expertcache.runtime.tiered as tiered
+    monkeypatch.setattr(tiered, "free_memory", lambda device: 1 << 20)  # a machine with 1 MiB free
+    with pytest.raises(ValueError, match=r"only 1.00 MiB of RAM is available; give a smaller host_budget"):
+        expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget="50%")
+
+
+def test_cli_takes_the_tier_flags(model_file, capsys):
+    from expertcache.cli import main
+    code = main(["generate", str(model_file), "--device", "cpu", "--baseline", "resident", "--host-memory",
+                 "tiered", "--host-budget", "25%", "--max-new-tokens", "4", "--prompt", "the cat"])
+    out = capsys.readouterr().out
+    assert code in (0, None) and "RAM tier" in out and "experts read" in out
+    assert main(["generate", str(model_file), "--device", "cpu", "--baseline", "resident", "--host-memory",
+                 "tiered", "--host-budget", "1%", "--max-new-tokens", "4", "--prompt", "the cat"]) == 2
+    assert "fewer than the top_k=2" in capsys.readouterr().err
+
+
+# -- exactness, counters, sim == live ----------------------------------------------------------
+@pytest.mark.parametrize("settings", [
+    dict(baseline="resident"),                      # the CPU engine computes from the RAM tier
+    dict(slots=6),                                  # slot misses served from RAM, else the file
+    dict(slots=6, miss="cpu", eviction="lru"),
+    dict(baseline="cpu"),
+], ids=["resident", "slots", "slots-cpu-miss", "baseline-cpu"])
+def test_tokens_equal_all_in_ram_and_sim_equals_live(model_file, want, settings):
+    model = expertcache.offload(model_file, device="cpu", host_memory="tiered", host_budget=0.25, **settings)
+    cache = model.expertcache
+    trace = record(model, PROMPT, NEW)  # a cold run, its routing recorded
+    live = cache.stats().pool["tier"]
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False), want)  # and warm
+    gpu = 0 if cache.host_resident or settings.get("baseline") else 6
+    sim = replay_tiers(trace, cache.tier.rows, "default", gpu, settings.get("eviction", "default"),
+                       expert_bytes=cache.expert_bytes)
+    for phase in ("prefill", "decode"):
+        replayed = sim.to_dict()[phase]
+        assert (live[phase]["accesses"], live[phase]["ram_hits"], live[phase]["file_reads"]) == \
+            (replayed["ram_accesses"], replayed["ram_hits"], replayed["file_reads"]), phase
+        assert live[phase]["tokens"] == replayed["tokens"]
+    d = live["decode"]
+    assert d["file_reads"] > 0 and d["ram_hits"] > 0  # the tier both hit and read
+    assert d["file_bytes"] == d["file_reads"] * cache.expert_bytes  # each read: one expert's bytes
+    assert d["disk_bytes"] >= d["file_bytes"] and d["read_seconds"] > 0
+    assert "RAM tier" in str(cache.stats())
+
+
+def test_a_step_wider_than_the_tier_reads_around_it(model_file, want):
+    """8 RAM rows, a 8-token prompt needing more experts of a layer: bypassed experts are read into a
+    compact copy for that step only, and the output does not change."""
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
+                                host_budget=3 / 32)
+    assert model.expertcache.tier.rows == 3
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False), want)
+    assert model.expertcache.tier.table.stats().sums("prefill")["bypasses"] > 0
+
+
+def test_the_bound_is_belady_and_no_policy_beats_it(model_file):
+    """Decode steps (a one-token prompt) all fit the tier: Belady reads the fewest experts, with or
+    without device slots in front; without them it is the simulator's own Belady replay."""
+    from expertcache.sim import replay
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
+                                host_budget=0.25)
+    trace = record(model, torch.tensor([[7]]), 24)
+    rows = model.expertcache.tier.rows
+    best, what = bound(trace, rows)
+    assert best.phase(1)["ram_hits"] == replay(trace, "belady", rows, engine="table").hits
+    assert "optimum of file reads" in what
+    for gpu in (0, 6):
+        best, what = bound(trace, rows, gpu, "lru")
+        for policy in ("lru", "fifo", "default", "s3fifo"):
+            assert best.phase(1)["file_reads"] <= replay_tiers(trace, rows, policy, gpu, "lru").phase(1)["file_reads"]
+    assert "no joint optimum" in what
+
+
+# -- reads ----------------------------------------------------------------------------------
+def _data_file(tmp_path, n=3 * ALIGN + 100):
+    path = tmp_path / "data.bin"
+    data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_unaligned_ranges_read_exactly(tmp_path, direct):
+    path, data = _data_file(tmp_path)
+    f = DirectFile(path, len(data), direct=direct)
+    pool = ReadPool(2)
+    try:
+        jobs = [(f, np.empty(n, np.uint8), off, f"range {off}") for off, n in
+                [(0, 10), (5, ALIGN), (ALIGN - 3, 7), (2 * ALIGN + 1, ALIGN + 99)]]
+        got = pool.read(jobs)
+        for _, dst, off, _ in jobs:
+            assert np.array_equal(dst, data[off:off + dst.nbytes])
+        assert got.reads == 4 and got.bytes == sum(j[1].nbytes for j in jobs)
+        assert got.disk_bytes % ALIGN == 0 and got.disk_bytes >= got.bytes
+    finally:
+        pool.close()
+        f.close()
+    if not direct:
+        assert "posix_fadvise DONTNEED" in f.mode_reason
+
+
+def test_o_direct_refused_falls_back_and_says_so(tmp_path, monkeypatch):
+    path, data = _data_file(tmp_path)
+    real_open = os.open
+
+    def refuse(p, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(p, flags, *a)
+    monkeypatch.setattr(os, "open", refuse)
+    f = DirectFile(path, len(data))
+    assert not f.direct and "O_DIRECT refused by the file system (Invalid argument)" in f.mode_reason
+    dst = np.empty(50, np.uint8)
+    f.read_into(dst, 1000, "x")
+    assert np.array_equal(dst, data[1000:1050])
+    f.close()
+
+
+def test_short_read_names_file_offset_and_expert(tmp_path):
+    path, data = _data_file(tmp_path)
+    f = DirectFile(path, len(data))
+    os.truncate(path, ALIGN)  # the file shrinks under us
+    with pytest.raises(ExpertReadError, match=rf"{path.name}: short read of layer 1 expert 7 .* at offset 5000"):
+        f.read_into(np.empty(100, np.uint8), 5000, "layer 1 expert 7 (down.weight)")
+    f.close()
+
+
+def test_read_error_names_file_offset_and_expert(tmp_path):
+    path, data = _data_file(tmp_path)
+    f = DirectFile(path, len(data))
+    real = f.fd
+    f.fd = os.open(os.devnull, os.O_WRONLY)  # reading a write-only descriptor fails: EBADF
+    with pytest.raises(ExpertReadError, match=r"data.bin: reading layer 0 expert 3 .*offset 4096.* failed"):
+        f.read_into(np.empty(100, np.uint8), 4096, "layer 0 expert 3 (up.weight)")
+    os.close(f.fd)
+    f.fd = real
+    f.close()
+
+
+def test_a_file_too_short_for_its_header_is_refused(tmp_path):
+    path, data = _data_file(tmp_path)
+    with pytest.raises(FileChangedError, match=r"header places expert bytes up to offset"):
+        DirectFile(path, len(data) + 1)
+
+
+def test_a_file_changed_under_the_model_is_caught(model_file, tmp_path):
+    import shutil
+    path = tmp_path / "copy.gguf"
+    shutil.copy(model_file, path)
+    model = expertcache.offload(path, device="cpu", baseline="resident", host_memory="tiered", host_budget=0.25)
+    with open(path, "r+b") as f:  # rewritten in place, same size
+        f.seek(-4096, os.SEEK_END)
+        f.write(bytes(4096))
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # coarse clocks: the write's time differs
+    with pytest.raises(FileChangedError, match=r"copy.gguf changed after it was loaded"):
+        model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+
+
+def test_descriptors_close_with_their_file(tmp_path):
+    import gc
+    path, data = _data_file(tmp_path)
+    f = DirectFile(path, len(data))
+    fd = f.fd
+    del f
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_read_bandwidth_is_measured(tmp_path):
+    path, _ = _data_file(tmp_path, 64 * ALIGN)
+    assert read_bandwidth(path, block=8 * ALIGN) > 0
+
+
+# -- plan and probe ----------------------------------------------------------------------------
+def test_plan_with_a_ram_tier_pays_the_file_reads():
+    from dataclasses import replace
+
+    from expertcache.costmodel import load_hardware, model_experts
+    from expertcache.costmodel.model import file_read_time
+    from expertcache.sim.plan import plan
+    from expertcache.trace.synth import synth_trace
+
+    model = model_experts("qwen3-30b-a3b", "Q4_K")
+    trace = synth_trace("qwen3-30b-a3b", 200)
+    hw = replace(load_hardware("pcie4-consumer"), disk_gbps=2.0)
+    flat = {r["config"]: r for r in plan(model, "4GiB", hw, trace, ["lru"])["rows"]}
+    tiered = plan(model, "4GiB", hw, trace, ["lru"], host_budget="25%")
+    assert tiered["ram_rows"] == round(0.25 * 48 * 128)
+    for row in tiered["rows"]:
+        reads = row["file_reads_per_token"]
+        assert reads is not None and 0 < row["ram_hit_rate"] < 1
+        want = 1 / (1 / flat[row["config"]]["tok_s"] + file_read_time(reads, model.cost, hw))
+        assert row["tok_s"] == pytest.approx(want)  # the reads at disk_gbps, on top of the rest
+    cep = next(r for r in tiered["rows"] if r["config"] == "copy-every-pass")
+    cached = max((r for r in tiered["rows"] if r["slots"]), key=lambda r: r["slots"])
+    assert cached["file_reads_per_token"] < cep["file_reads_per_token"]  # slots in front: fewer reach RAM
+    with pytest.raises(ValueError, match="no disk_gbps"):
+        plan(model, "4GiB", load_hardware("pcie4-consumer"), trace, ["lru"], host_budget="25%")
+
+
+def test_plan_cli_needs_a_disk_rate_for_a_ram_tier(capsys):
+    from expertcache.cli import main
+    assert main(["plan", "qwen3-30b-a3b", "--quant", "Q4_K", "--gpu-memory", "4GiB", "--host-budget", "25%",
+                 "--tokens", "100"]) == 2
+    assert "--disk-gbps" in capsys.readouterr().err
+    assert main(["plan", "qwen3-30b-a3b", "--quant", "Q4_K", "--gpu-memory", "4GiB", "--host-budget", "25%",
+                 "--disk-gbps", "1.5", "--tokens", "100", "--policy", "lru"]) == 0
+    out = capsys.readouterr().out
+    assert "RAM tier: 1536 of 6144 experts" in out and "file reads/token" in out
+
+
+def test_probe_measures_the_disk(tmp_path, capsys):
+    import json
+
+    from expertcache.cli import main
+    from expertcache.costmodel.hardware import load_hardware
+    path, _ = _data_file(tmp_path, 256 * ALIGN)
+    out = tmp_path / "hw.json"
+    assert main(["probe", "--seconds", "0.02", "--disk", str(path), "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["disk_gbps"] > 0 and "disk_gbps" in data["measured"]
+    assert load_hardware(out).disk_gbps == data["disk_gbps"]
+
+
+def test_sim_cli_replays_the_ram_tier(model_file, tmp_path, capsys):
+    import json
+
+    from expertcache.cli import main
+    from expertcache.trace.format import save_trace
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
+                                host_budget=0.25)
+    trace = record(model, torch.tensor([[7]]), 16)
+    path = save_trace(trace, tmp_path / "t.npz")
+    out = tmp_path / "tiers.json"
+    assert main(["sim", str(path), "--slots", "0,6", "--policy", "lru", "--host-budget", "25%",
+                 "--expert-bytes", "1000", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "RAM tier 8 of 32 experts" in text and "bound reads/token" in text
+    doc = json.loads(out.read_text())
+    live = model.expertcache.stats().pool["tier"]["decode"]
+    first = doc["results"][0]  # slots 0: the CPU engine's stream, as the live run met it
+    assert (first["decode"]["ram_hits"], first["decode"]["file_reads"]) == (live["ram_hits"], live["file_reads"])
+    assert doc["results"][1]["decode"]["gpu_hits"] > 0
+
+
+def test_resident_slots_are_filled_through_the_tier(model_file, want):
+    """baseline='resident' with dequantized CPU slots copies every expert into its slot at load: through
+    the RAM tier, a step of top-k at a time, each expert read from the file once."""
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", slot_format="dequantized",
+                                cpu_kernel="torch", host_memory="tiered", host_budget=0.25)
+    cache = model.expertcache
+    assert not cache.host_resident and cache.pool.slots == 32
+    assert cache.tier.stats()["prefill"]["file_reads"] == 32
+    got = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+    ref = expertcache.offload(model_file, device="cpu", baseline="resident", slot_format="dequantized",
+                              cpu_kernel="torch", host_memory="copy")
+    assert torch.equal(got, ref.generate(PROMPT, max_new_tokens=NEW, do_sample=False))
+    assert cache.tier.stats()["decode"]["accesses"] == 0  # every step hit a slot
+
+
+def test_a_model_that_is_not_a_gguf_file_is_refused():
+    from tiny_moe import tiny_model
+    with pytest.raises(ValueError, match="host_memory='tiered' reads experts by offset from a GGUF file"):
+        expertcache.offload(tiny_model("qwen3_moe"), device="cpu", slots=4, host_memory="tiered", host_budget="25%")
+
+
+def test_reads_overlap_the_hits_and_the_logits_stay_bit_equal(model_file, monkeypatch):
+    """The resident CPU step computes its RAM hits while its misses are read (``_overlapped``); the
+    logits equal the all-in-RAM run's bit for bit."""
+    import expertcache.runtime.tiered as tiered
+    calls = []
+    real = tiered._overlapped
+    monkeypatch.setattr(tiered, "_overlapped", lambda *a: calls.append(1) or real(*a))
+    kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy").generate(PROMPT, **kw)
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
+                                host_budget=0.25)
+    got = model.generate(PROMPT, **kw)
+    assert len(calls) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
+    d = model.expertcache.stats().pool["tier"]["decode"]
+    assert 0 <= d["wait_seconds"] <= d["read_seconds"] + 1e-3
+
+
+def test_hardware_disk_rate_is_checked():
+    from dataclasses import replace
+
+    from expertcache.costmodel import ExpertCost, load_hardware
+    from expertcache.costmodel.model import file_read_time
+    hw = load_hardware("pcie4-consumer")
+    for bad in (0, -1.0, True, "fast"):
+        with pytest.raises(ValueError, match="disk_gbps must be a positive number or null"):
+            replace(hw, disk_gbps=bad)
+    assert file_read_time(3, ExpertCost(2_000_000), replace(hw, disk_gbps=2.0)) == pytest.approx(3e-3)
+
+
+def test_a_split_gguf_reads_each_part_from_its_own_file(tmp_path, want):
+    first = write_gguf(tmp_path / "split.gguf", "qwen3_moe", "Q8_0", layers=2, experts=16, split_max_tensors=8)
+    model = expertcache.offload(first, device="cpu", baseline="resident", host_memory="tiered", host_budget=0.25)
+    assert len(model.expertcache.tier.files) > 1
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False), want)
