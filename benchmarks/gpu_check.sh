@@ -101,7 +101,8 @@ PYTEST=("$PY" -m pytest -v -rfEs -p no:cacheprovider --continue-on-collection-er
 "$PY" -c "import xdist" 2>/dev/null && [ -z "$REHEARSE" ] && PYTEST+=(-n 8)
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 50)
 GPU_TESTS=(tests/test_gpu.py tests/test_bench_gpu.py tests/test_dequant_gpu.py tests/test_gguf_gpu.py
-           tests/test_hf_quant_gpu.py tests/test_devicestep.py tests/test_fused_gpu.py)
+           tests/test_hf_quant_gpu.py tests/test_devicestep.py tests/test_fused_gpu.py
+           tests/test_graphs.py tests/test_tiers_gpu.py)
 
 step bandwidth 10 "$PY" benchmarks/gpu_check.py bandwidth --work "$WORK" $REHEARSE
 step tests 75 "${PYTEST[@]}" -m "gpu and not slow" "${GPU_TESTS[@]}"
