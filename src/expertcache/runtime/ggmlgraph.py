@@ -22,8 +22,9 @@ after each step its layers hold views of these buffers; a prefill run by the eag
 any other step it ran) is copied in before the next graph step (the hand-over). Prefill stays
 on the eager path (its experts and linears are ggml's already).
 
-Families: Qwen3-MoE, Qwen2-MoE (shared expert, qkv biases), Mixtral, OLMoE (q / k norms over
-the whole projection, ``clip_qkv``); others keep the eager path and ``support()`` says why.
+Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases); others (GPT-OSS: sinks,
+sliding windows, YaRN, a clamped gate, expert biases) keep the eager path and ``support()``
+and ``summary()['cpu_graph_reason']`` say why.
 Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
 is computed from them); a run with a CPU slot cache keeps the per-layer path.
 """
@@ -39,9 +40,10 @@ from ..stats import DECODE
 from .cpudense import GgmlEmbedding, GgmlLinear
 from .threads import ggml_threads
 
-FAMILIES = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe"}
+# the families whose quantized experts reach ggml here (GGUF files transformers 5.24 maps);
+# Mixtral and OLMoE have no GGUF mapping in transformers, so their experts never do
+FAMILIES = {"qwen3_moe", "qwen2_moe"}
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
-_ALWAYS_NORMALISED = {"mixtral"}  # routers that renormalise the top-k weights unconditionally
 _ALLOWED_KWARGS = {"input_ids", "past_key_values", "cache", "use_cache", "attention_mask", "position_ids",
                    "cache_position", "logits_to_keep", "return_dict"}
 _FALSE_KWARGS = {"output_attentions", "output_hidden_states", "output_router_logits"}
@@ -122,7 +124,8 @@ class _Spec:
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
         if self.n_rot != self.head_dim:
             raise Unsupported("partial rotary embedding")
-        self.clip = getattr(cfg, "clip_qkv", None)
+        if getattr(cfg, "clip_qkv", None) is not None:
+            raise Unsupported("clip_qkv")
         embed = model.get_input_embeddings()
         if isinstance(embed, GgmlEmbedding):
             self.embed = (embed.ggml_type, (embed.cols, embed.rows), embed.data.data_ptr())
@@ -146,6 +149,8 @@ class _Spec:
         for name in ("q_norm", "k_norm"):
             norm = getattr(attn, name, None)
             if norm is not None:
+                if norm.weight.numel() != self.head_dim:
+                    raise Unsupported(f"{name} over more than one head")
                 spec[name] = (_vector(norm.weight), _eps(norm))
         mlp = layer.mlp
         experts = getattr(mlp, "experts", None)
@@ -162,7 +167,7 @@ class _Spec:
         host = cache.hosts[index]
         parts = {p: host.tensors[p] for p in (*kernel.first.parts, *kernel.down.parts)}
         router = mlp.gate
-        norm = self.family in _ALWAYS_NORMALISED or bool(getattr(router, "norm_topk_prob", False))
+        norm = bool(getattr(router, "norm_topk_prob", False))
         spec["moe"] = {"router": _vector(router.weight), "top_k": router.top_k, "norm": norm,
                        "experts": [(kernel.part[p].fmt.ggml_type, *kernel.part[p].shape, t) for p, t in parts.items()],
                        "index": index}
@@ -225,13 +230,8 @@ class _StepGraph:
         D, N, M = s.head_dim, s.heads, s.kv_heads
         h = self._norm(x, L["in_norm"])                                          # [H, T]
         q, k, v = self._mm(L["q"], h), self._mm(L["k"], h), self._mm(L["v"], h)  # [N*D | M*D, T]
-        full_qk = "q_norm" in L and L["q_norm"][0].numel() == N * D              # OLMoE: over the projection
-        if full_qk:
-            q, k = self._norm(q, L["q_norm"]), self._norm(k, L["k_norm"])
-        if s.clip is not None:
-            q, k, v = (g.clamp(t, -s.clip, s.clip) for t in (q, k, v))
         q, k = g.reshape_3d(q, D, N, T), g.reshape_3d(k, D, M, T)               # [D, N | M, T]
-        if "q_norm" in L and not full_qk:                                        # Qwen3: per head
+        if "q_norm" in L:                                                        # Qwen3: per head
             q, k = self._norm(q, L["q_norm"]), self._norm(k, L["k_norm"])
         q = g.rope(q, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base)
         k = g.rope(k, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base)
