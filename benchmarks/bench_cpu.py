@@ -27,7 +27,8 @@ from pathlib import Path
 
 # (label, offload settings); 'slots' as a share of all experts is filled in per model
 CONFIGS = [
-    ("resident, ggml", dict(baseline="resident", cpu_kernel="ggml")),
+    ("resident, ggml graph", dict(baseline="resident", cpu_kernel="ggml")),
+    ("resident, ggml per layer", dict(baseline="resident", cpu_kernel="ggml", cpu_graph="off")),
     ("resident, torch", dict(baseline="resident", cpu_kernel="torch")),
     ("baseline cpu (ggml)", dict(baseline="cpu")),
     ("25% quantized slots, fetch", dict(share=0.25, slot_format="quantized", miss="fetch")),
@@ -57,12 +58,33 @@ def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
     start = time.perf_counter()
     m = expertcache.offload(model, device="cpu", **settings)
     load_s = time.perf_counter() - start
+    loaded = memory()
     decode_s = decode(m, tokens)
     pool = m.expertcache.stats().pool
+    graph = getattr(m, "_expertcache_graph", None)
     return {"tok_s": tokens / decode_s, "load_s": load_s, "cpu_kernel": pool["cpu_kernel"],
+            "cpu_graph": pool["cpu_graph"], "graph_steps": graph.steps if graph else 0,
+            "kv_bytes": graph.kv_bytes() if graph else None,
+            "memory_after_load": loaded, "memory_at_end": memory(),
             "dense_kernel": pool["dense_kernel"],
             "slot_format": pool["slot_format"], "slots": m.expertcache.pool.slots,
             "host_resident": pool["host_resident"]}
+
+
+def memory() -> dict:
+    """This process's memory (kB, /proc/self/status): the peak, and the resident set split into
+    anonymous memory and pages mapped from files (the model's bytes, read through the page
+    cache: counted while mapped, and dropped by the kernel when it reclaims clean file pages)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                    out[key] = int(value.split()[0])
+    except OSError:
+        pass
+    return out
 
 
 def decode(m, tokens: int, before=None) -> float:

@@ -87,8 +87,12 @@ def test_graph_decode_equals_the_per_layer_path(tmp_path, family, experts, dense
     # the cache's counters see the graph's routing as they saw the eager path's
     counts = model.expertcache.stats().sums(1)
     assert counts["accesses"] == eager_counts["accesses"] and counts["hits"] == eager_counts["hits"] > 0
-    # the caller's cache holds views of the graph's KV rows: [1, kv heads, prompt + 12, head dim]
+    # the caller's cache reads the graph's KV rows: [1, kv heads, prompt + 12, head dim], and holds
+    # no tensors of its own (the eager prefill's were dropped at the hand-over: the KV is held once)
     assert past.get_seq_length() == len(PROMPT[0]) + 12
+    assert past.layers[0].keys.shape[2] == past.get_seq_length()
+    assert past.layers[0].keys.data_ptr() == decoder.kv[0][0].data_ptr()
+    assert not any(isinstance(v, torch.Tensor) for layer in past.layers for v in vars(layer).values())
 
 
 def test_hand_over_both_ways_and_between_caches(tmp_path, monkeypatch):

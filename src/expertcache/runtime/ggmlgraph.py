@@ -212,6 +212,10 @@ class _StepGraph:
         self.work_bytes = g.finish([self.logits, *sorted_], n_threads)
         self._ids_views = [gg.int32_array(s_, (T, gg.ne(s_)[0]))[:, :gg.ne(t)[0]] for s_, t in zip(sorted_, self.ids)]
         self._mask = gg.f16_array(self.mask_addr, (T, C))                        # [T, C] 0 or -inf
+        self._tok = gg.int32_array(self.tok_addr, (T,))      # numpy views of the inputs, made once
+        self._pos = gg.int32_array(self.pos_addr, (T,))
+        self._rows = gg.int64_array(self.rows_addr, (T,))
+        self._filled = -1                                    # mask cells set to 0: [0, _filled)
 
     def _vec(self, t: torch.Tensor):
         return self.g.leaf(GGML_TYPE_F32, (t.numel(),), t.data_ptr())
@@ -293,13 +297,15 @@ class _StepGraph:
         """Logits [T, V] for ``tokens`` at positions start.. (their KV rows written too): each
         token attends to the rows before it and itself (causal)."""
         T = self.tokens
-        pos = np.arange(start, start + T)
-        gg.int32_array(self.tok_addr, (T,))[:] = tokens
-        gg.int32_array(self.pos_addr, (T,))[:] = pos
-        gg.int64_array(self.rows_addr, (T,))[:] = pos
-        self._mask[:] = -np.inf
-        for t in range(T):
-            self._mask[t, :start + t + 1] = 0
+        self._tok[:] = tokens
+        self._pos[:] = self._rows[:] = range(start, start + T)
+        if T == 1 and start == self._filled:   # the next decode token: one more cell to see
+            self._mask[0, start] = 0
+        else:
+            self._mask[:] = -np.inf
+            for t in range(T):
+                self._mask[t, :start + t + 1] = 0
+        self._filled = start + 1 if T == 1 else -1
         out = torch.empty(T, self.spec.vocab)                                     # [T, V]
         self.logits.contents.data = out.data_ptr()
         self.g.run()
@@ -311,22 +317,58 @@ class _StepGraph:
 
 
 # -- the decode path ------------------------------------------------------------------
+def _graph_layer_class():
+    """``DynamicLayer`` whose keys and values are the graph's KV rows, made into tensors only
+    when something reads them (the eager path, ``get_seq_length`` reads the length alone):
+    a graph step then costs the cache no Python. The first write by anyone else (the eager
+    path's ``torch.cat``, ``crop``) turns the layer back into one holding its own tensors."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GraphLayer(DynamicLayer):
+        _graph = None  # (decoder, layer index) while the rows live in the decoder's buffers
+
+        def _get(self, name: str, which: int):
+            if self._graph is not None:
+                decoder, index = self._graph
+                return decoder.view(index, which)
+            return self.__dict__.get(name)
+
+        def _set(self, name: str, value) -> None:
+            if self._graph is not None:  # someone else writes: hold views of the rows now
+                decoder, index = self._graph
+                self.__dict__["_keys"], self.__dict__["_values"] = decoder.view(index, 0), decoder.view(index, 1)
+                self._graph = None
+            self.__dict__[name] = value
+
+        keys = property(lambda self: self._get("_keys", 0), lambda self, v: self._set("_keys", v))
+        values = property(lambda self: self._get("_values", 1), lambda self, v: self._set("_values", v))
+
+        def get_seq_length(self) -> int:
+            return self._graph[0].length if self._graph is not None else super().get_seq_length()
+
+    return GraphLayer
+
+
 class GraphDecoder:
     """The model's ``forward`` for one-token decode steps of one sequence (batch 1) with a
     ``DynamicCache``; every other forward (prefill, batches, a custom mask, gradients) goes to
     the eager forward, and the KV cache is handed over both ways."""
 
     def __init__(self, model: torch.nn.Module, cache, eager) -> None:
+        from transformers.cache_utils import DynamicLayer
+
         self.spec = _Spec(model, cache)   # raises Unsupported
         self.cache, self.eager = cache, eager
         self.threads = ggml_threads()
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []    # per layer K, V [C, M*D] float32
         self.graphs: dict[tuple[int, int], _StepGraph] = {}
-        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # what the owner's layers hold
-        self.owner = None                                         # weakref to that DynamicCache
-        self.steps = 0                                            # tokens decoded by the graph
-        self.eager_calls: dict[str, int] = {}                     # why forwards went eager
+        self.owner = None                    # weakref to the DynamicCache whose layers read the buffers
+        self.length = 0                      # rows of the owner's cache in the buffers
+        self.steps = 0                       # tokens decoded by the graph
+        self.eager_calls: dict[str, int] = {}  # why forwards went eager
         self.enabled = True
+        self._layer_types = (DynamicLayer, _graph_layer_class())
+        self._moe_layers = [L["moe"]["index"] for L in self.spec.layers if "moe" in L]
 
     @property
     def capacity(self) -> int:
@@ -334,6 +376,11 @@ class GraphDecoder:
 
     def kv_bytes(self) -> int:
         return sum(k.numel() * 4 + v.numel() * 4 for k, v in self.kv)
+
+    def view(self, layer: int, which: int) -> torch.Tensor:
+        """Layer ``layer``'s keys (0) or values (1) as transformers holds them: [1, M, n, D]."""
+        M, D, n = self.spec.kv_heads, self.spec.head_dim, self.length
+        return self.kv[layer][which].as_strided((1, M, n, D), (n * M * D, D, M * D, 1))
 
     def __call__(self, *args, **kwargs):
         why = self._refusal(args, kwargs)
@@ -344,10 +391,9 @@ class GraphDecoder:
         past = _past(kwargs)
         n, T = past.get_seq_length(), ids.shape[1]
         self._hand_over(past, n, T)
-        graph = self._graph(T)
-        logits = graph.run(ids[0].tolist(), n)                                  # [T, V]
-        self._count(graph)
-        self._publish(past, n + T)
+        logits = self._graph(T).run(ids[0].tolist(), n)                        # [T, V]
+        self.length = n + T
+        self._count(self.graphs[(T, self.capacity)])
         self.steps += T
         logits = logits.view(1, T, -1)
         if kwargs.get("return_dict") is False:
@@ -370,9 +416,9 @@ class GraphDecoder:
         if kwargs.get("use_cache") is False:
             return "use_cache=False"
         past = _past(kwargs)
-        from transformers.cache_utils import DynamicCache, DynamicLayer
+        from transformers.cache_utils import DynamicCache
         if not isinstance(past, DynamicCache) or len(past.layers) != len(self.spec.layers) \
-                or any(type(layer) is not DynamicLayer for layer in past.layers):
+                or any(type(layer) not in self._layer_types for layer in past.layers):
             return "no DynamicCache of full-attention layers"
         n = past.get_seq_length()
         if n == 0:
@@ -388,55 +434,57 @@ class GraphDecoder:
         keep = kwargs.get("logits_to_keep", 0)
         if not isinstance(keep, int) or keep not in (0, T):
             return "logits_to_keep"
-        if past.layers[0].keys.dtype != torch.float32:
+        if not self._in_sync(past) and past.layers[0].keys.dtype != torch.float32:
             return "a cache not in float32"
         return None
 
-    def _in_sync(self, past, n: int) -> bool:
-        return (self.owner is not None and self.owner() is past and len(self.views) == len(past.layers)
-                and all(layer.keys is k and layer.values is v for layer, (k, v) in zip(past.layers, self.views)))
+    def _in_sync(self, past) -> bool:
+        """Whether ``past``'s layers read this decoder's rows (no hand-over needed)."""
+        return (self.owner is not None and self.owner() is past
+                and all(getattr(layer, "_graph", None) is not None and layer._graph[0] is self
+                        for layer in past.layers))
 
     def _hand_over(self, past, n: int, T: int) -> None:
-        """Make the buffers hold ``past``'s n rows, with room for T more."""
-        in_sync = self._in_sync(past, n)
+        """Make the buffers hold ``past``'s n rows, with room for T more, and ``past``'s layers
+        read them (their own tensors are dropped: the KV cache is held once)."""
+        in_sync = self._in_sync(past)
         if in_sync and n + T <= self.capacity:
             return
         if not in_sync:
             self._detach_owner()
+        M, D = self.spec.kv_heads, self.spec.head_dim
+        rows = [(layer.keys, layer.values) for layer in past.layers]            # [1, M, n, D] each
         if n + T > self.capacity:
             cap = max(_MIN_CAPACITY, self.capacity)
             while cap < n + T:
                 cap *= 2
-            M, D = self.spec.kv_heads, self.spec.head_dim
             # empty: rows past the cache's length are masked, and ggml skips masked rows
             self.kv = [(torch.empty(cap, M * D), torch.empty(cap, M * D)) for _ in self.spec.layers]
             self.graphs.clear()
-        M, D = self.spec.kv_heads, self.spec.head_dim
-        for layer, (kb, vb) in zip(past.layers, self.kv):                        # [1, M, n, D] -> [n, M*D]
-            kb[:n].view(n, M, D).copy_(layer.keys[0].transpose(0, 1))
-            vb[:n].view(n, M, D).copy_(layer.values[0].transpose(0, 1))
+        for (keys, values), (kb, vb) in zip(rows, self.kv):                       # -> [n, M*D]
+            kb[:n].view(n, M, D).copy_(keys[0].transpose(0, 1))
+            vb[:n].view(n, M, D).copy_(values[0].transpose(0, 1))
+        del rows
+        graph_layer = self._layer_types[1]
+        for index, layer in enumerate(past.layers):
+            layer.__dict__.pop("keys", None), layer.__dict__.pop("values", None)
+            layer.__dict__.pop("_keys", None), layer.__dict__.pop("_values", None)
+            layer.__class__ = graph_layer
+            layer._graph = (self, index)
+        import weakref
+        self.owner, self.length = weakref.ref(past), n
 
     def _detach_owner(self) -> None:
-        """The cache that held views of the buffers gets its own copies: another cache's rows
-        are about to be written there."""
+        """The cache whose layers read the buffers gets its own copies of its rows: another
+        cache's rows are about to be written there."""
         owner = self.owner() if self.owner is not None else None
         if owner is not None:
-            for layer, (k, v) in zip(owner.layers, self.views):
-                if layer.keys is k:
-                    layer.keys, layer.values = k.clone(), v.clone()
-        self.owner, self.views = None, []
-
-    def _publish(self, past, n: int) -> None:
-        """``past``'s layers now hold views of the first n rows: [1, M, n, D]."""
-        import weakref
-
-        M, D = self.spec.kv_heads, self.spec.head_dim
-        shape, strides = (1, M, n, D), (n * M * D, D, M * D, 1)
-        self.views = [(kb.as_strided(shape, strides), vb.as_strided(shape, strides)) for kb, vb in self.kv]
-        for layer, (k, v) in zip(past.layers, self.views):
-            layer.keys, layer.values = k, v
-        if self.owner is None or self.owner() is not past:
-            self.owner = weakref.ref(past)
+            for layer in owner.layers:
+                if getattr(layer, "_graph", None) is not None and layer._graph[0] is self:
+                    keys, values = layer.keys.clone(), layer.values.clone()
+                    layer._graph = None
+                    layer.keys, layer.values = keys, values
+        self.owner = None
 
     def _graph(self, T: int) -> _StepGraph:
         key = (T, self.capacity)
@@ -448,8 +496,8 @@ class GraphDecoder:
     def _count(self, graph: _StepGraph) -> None:
         """The step's routing into the cache's table (its counters: hits, accesses)."""
         table = self.cache.table
-        for layer, ids in zip((L["moe"]["index"] for L in self.spec.layers if "moe" in L), graph.routed()):
-            table.step(layer, list(dict.fromkeys(ids.reshape(-1).tolist())), DECODE)
+        for layer, ids in zip(self._moe_layers, graph.routed()):
+            table.step(layer, ids.reshape(-1).tolist(), DECODE)
 
 
 def _past(kwargs: dict):
