@@ -70,6 +70,9 @@ class Graph:
         b = self._base
         size = tensors * b.ggml_tensor_overhead() + b.ggml_graph_overhead_custom(_GRAPH_NODES, False) + 4096
         self.ctx = b.ggml_init(_InitParams(size, None, True))
+        # ggml aborts the process when its context is full: count here (2 headers a call at
+        # most: argsort_top_k makes a sort and a view) and raise first
+        self._room = tensors
         self.graph = b.ggml_new_graph_custom(self.ctx, _GRAPH_NODES, False)
         self._galloc = None
         self._keep: list = []  # buffers whose addresses tensors hold
@@ -80,6 +83,7 @@ class Graph:
         by the caller), else an input the caller fills through ``input_buffer``. ``stride``
         overrides nb[-1] (stacked experts in slots larger than one expert)."""
         b = self._base
+        self._use(1)
         if len(ne) == 1:
             t = b.ggml_new_tensor_1d(self.ctx, ggml_type, *ne)
         elif len(ne) == 2:
@@ -107,13 +111,24 @@ class Graph:
         if name.startswith("_"):
             raise AttributeError(name)
         fn = getattr(self._base, "ggml_" + name)
-        return lambda *args: fn(self.ctx, *args)
+
+        def op(*args):
+            self._use(2)
+            return fn(self.ctx, *args)
+        return op
+
+    def _use(self, headers: int) -> None:
+        self._room -= headers
+        if self._room < 0:
+            raise RuntimeError("ggml graph context too small for this model (raise Graph's tensors)")
 
     def rope(self, x, pos, n_dims: int, mode: int, base: float, freq_scale: float = 1.0):
+        self._use(1)
         return self._base.ggml_rope_ext(self.ctx, x, pos, None, n_dims, mode, 0, base, freq_scale,
                                         0.0, 1.0, 0.0, 0.0)
 
     def attention(self, q, k, v, mask, scale: float):
+        self._use(1)
         out = self._base.ggml_flash_attn_ext(self.ctx, q, k, v, mask, scale, 0.0, 0.0)
         self._base.ggml_flash_attn_ext_set_prec(out, PREC_F32)
         return out

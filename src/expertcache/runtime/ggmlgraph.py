@@ -43,6 +43,7 @@ from .threads import ggml_threads
 # the families whose quantized experts reach ggml here (GGUF files transformers 5.24 maps);
 # Mixtral and OLMoE have no GGUF mapping in transformers, so their experts never do
 FAMILIES = {"qwen3_moe", "qwen2_moe"}
+_SUM_BY_ROWS = True          # the experts' weighted sum: one sum_rows (else K - 1 adds)
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
 _ALLOWED_KWARGS = {"input_ids", "past_key_values", "cache", "use_cache", "attention_mask", "position_ids",
                    "cache_position", "logits_to_keep", "return_dict"}
@@ -194,7 +195,8 @@ class _StepGraph:
                  n_threads: int) -> None:
         # T tokens, C cache rows, H hidden, D head dim, N heads, M kv heads, E experts, K top-k, V vocab
         self.spec, self.tokens, self.capacity = spec, tokens, kv[0][0].shape[0]
-        g = self.g = gg.Graph(64 * len(spec.layers) + 64)
+        # headers: about 60 ops a layer and 2 per top-k rank (the sum over ranks), counted twice
+        g = self.g = gg.Graph((160 + 4 * 64) * len(spec.layers) + 256)
         T, C = tokens, self.capacity
         self.tok, self.tok_addr = g.input(GGML_TYPE_I32, (T,), 4)
         self.pos, self.pos_addr = g.input(GGML_TYPE_I32, (T,), 4)
@@ -288,10 +290,13 @@ class _StepGraph:
             up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
         par = g.mul(g.silu(gate), up)
         ex = g.mul(g.mul_mat_id(weights[-1], par, sel), w)                        # [H, K, T]
-        y = g.view_2d(ex, H, T, gg.nb(ex, 2), 0)
-        for k in range(1, K):
-            y = g.add(y, g.view_2d(ex, H, T, gg.nb(ex, 2), k * gg.nb(ex, 1)))
-        return y                                                                  # [H, T]
+        if not _SUM_BY_ROWS:  # llama.cpp's way: K - 1 adds of views
+            y = g.view_2d(ex, H, T, gg.nb(ex, 2), 0)
+            for k in range(1, K):
+                y = g.add(y, g.view_2d(ex, H, T, gg.nb(ex, 2), k * gg.nb(ex, 1)))
+            return y                                                              # [H, T]
+        # the sum over ranks as one sum_rows of a [K, H, T] copy: 4 nodes instead of 2K - 1
+        return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), H, T)  # [H, T]
 
     def run(self, tokens: list[int], start: int) -> torch.Tensor:
         """Logits [T, V] for ``tokens`` at positions start.. (their KV rows written too): each
