@@ -168,3 +168,14 @@ def test_gpt_oss_keeps_the_per_layer_path_and_says_why(tmp_path):
     model = _load(tmp_path, "gpt_oss", "MXFP4", "F32")
     summary = model.expertcache.summary()
     assert summary["cpu_graph"] == "off" and summary["cpu_graph_reason"].startswith("gpt_oss")
+
+
+def test_the_cli_flag_reaches_the_config():
+    import argparse
+
+    from expertcache.cli.options import add_cache_options, cache_config
+
+    p = argparse.ArgumentParser()
+    add_cache_options(p)
+    assert cache_config(p.parse_args(["--baseline", "resident"])).cpu_graph == "auto"
+    assert cache_config(p.parse_args(["--baseline", "resident", "--cpu-graph", "off"])).cpu_graph == "off"
