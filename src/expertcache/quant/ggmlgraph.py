@@ -46,6 +46,7 @@ def _declare() -> None:
             ("ggml_flash_attn_ext", T, [P, T, T, T, T, F, F, F]),
             ("ggml_flash_attn_ext_set_prec", None, [T, I]),
             ("ggml_argsort_top_k", T, [P, T, I]), ("ggml_set_rows", T, [P, T, T, T]),
+            ("ggml_swiglu_split", T, [P, T, T]),
             ("ggml_gallocr_new", P, [P]), ("ggml_gallocr_free", None, [P]),
             ("ggml_gallocr_alloc_graph", ctypes.c_bool, [P, P]),
             ("ggml_gallocr_get_buffer_size", S, [P, I]),
@@ -149,7 +150,7 @@ class Graph:
         if not b.ggml_gallocr_alloc_graph(self._galloc, self.graph):
             raise RuntimeError("ggml could not allocate the decode graph's buffers")
         self.compute_bytes = b.ggml_gallocr_get_buffer_size(self._galloc, 0)
-        self._pool = ggml._threadpool(n_threads)
+        self._pool = ggml._threadpool(n_threads)  # shared with the per-layer graphs: workers sleep at once
         self._cplan = c.ggml_graph_plan(self.graph, n_threads, self._pool)
         self._work = ctypes.create_string_buffer(max(self._cplan.work_size, 1))
         self._cplan.work_data = ctypes.addressof(self._work)

@@ -288,7 +288,7 @@ class _StepGraph:
             half = gg.ne(gu)[0] // 2
             gate = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), 0)
             up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
-        par = g.mul(g.silu(gate), up)
+        par = g.swiglu_split(gate, up)                                            # silu(gate) * up
         ex = g.mul(g.mul_mat_id(weights[-1], par, sel), w)                        # [H, K, T]
         if not _SUM_BY_ROWS:  # llama.cpp's way: K - 1 adds of views
             y = g.view_2d(ex, H, T, gg.nb(ex, 2), 0)
