@@ -27,7 +27,8 @@ from pathlib import Path
 
 # (label, offload settings); 'slots' as a share of all experts is filled in per model
 CONFIGS = [
-    ("resident, ggml", dict(baseline="resident", cpu_kernel="ggml")),
+    ("resident, ggml graph", dict(baseline="resident", cpu_kernel="ggml")),
+    ("resident, ggml per layer", dict(baseline="resident", cpu_kernel="ggml", cpu_graph="off")),
     ("resident, torch", dict(baseline="resident", cpu_kernel="torch")),
     ("baseline cpu (ggml)", dict(baseline="cpu")),
     ("25% quantized slots, fetch", dict(share=0.25, slot_format="quantized", miss="fetch")),
@@ -38,6 +39,10 @@ CONFIGS = [
     ("25% dequantized slots, auto", dict(share=0.25, slot_format="dequantized", miss="auto")),
 ]
 LLAMA = "llama.cpp (llama-bench)"
+# llama.cpp's default repacks Q4_0 / Q4_K / IQ4_NL weights into interleaved blocks for its AVX2
+# kernels: a second, rearranged copy of those weights in RAM. Without it llama.cpp computes on
+# the mapped file as expertcache does: the like-for-like row.
+LLAMA_NOREPACK = "llama.cpp, --repack 0"
 
 
 def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
@@ -57,12 +62,33 @@ def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
     start = time.perf_counter()
     m = expertcache.offload(model, device="cpu", **settings)
     load_s = time.perf_counter() - start
+    loaded = memory()
     decode_s = decode(m, tokens)
     pool = m.expertcache.stats().pool
+    graph = getattr(m, "_expertcache_graph", None)
     return {"tok_s": tokens / decode_s, "load_s": load_s, "cpu_kernel": pool["cpu_kernel"],
+            "cpu_graph": pool["cpu_graph"], "graph_steps": graph.steps if graph else 0,
+            "kv_bytes": graph.kv_bytes() if graph else None,
+            "memory_after_load": loaded, "memory_at_end": memory(),
             "dense_kernel": pool["dense_kernel"],
             "slot_format": pool["slot_format"], "slots": m.expertcache.pool.slots,
             "host_resident": pool["host_resident"]}
+
+
+def memory() -> dict:
+    """This process's memory (kB, /proc/self/status): the peak, and the resident set split into
+    anonymous memory and pages mapped from files (the model's bytes, read through the page
+    cache: counted while mapped, and dropped by the kernel when it reclaims clean file pages)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                    out[key] = int(value.split()[0])
+    except OSError:
+        pass
+    return out
 
 
 def decode(m, tokens: int, before=None) -> float:
@@ -99,10 +125,10 @@ def _run(cmd: list[str], out_path: Path) -> tuple[int, int]:
     return proc.returncode, usage.ru_maxrss * 1024
 
 
-def run_llama(llama_bench: str, model: str, threads: int, tokens: int, tmp: Path) -> dict:
+def run_llama(llama_bench: str, model: str, threads: int, tokens: int, tmp: Path, repack: bool = True) -> dict:
     out = tmp / "llama.json"
     code, rss = _run([llama_bench, "-m", model, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1",
-                      "-o", "json"], out)
+                      "--repack", "1" if repack else "0", "-o", "json"], out)
     if code:
         return {"error": f"llama-bench exited {code}"}
     return {"tok_s": json.loads(out.read_text())[0]["avg_ts"], "peak_rss": rss}
@@ -124,10 +150,13 @@ def table(rows: dict[str, list[dict]], file_bytes: int) -> list[dict]:
         ok = [r for r in runs if "tok_s" in r]
         best[label] = max(ok, key=lambda r: r["tok_s"]) if ok else runs[-1]
     ref = best.get(LLAMA, {}).get("tok_s")
+    ref_norepack = best.get(LLAMA_NOREPACK, {}).get("tok_s")
     out = []
     for label, r in best.items():
         out.append({"config": label, **r, "vs_llama": r["tok_s"] / ref if ref and "tok_s" in r else None,
                     "vs_llama_rounds": _round_ratios(rows[label], rows.get(LLAMA, [])),
+                    "vs_llama_norepack": r["tok_s"] / ref_norepack if ref_norepack and "tok_s" in r else None,
+                    "vs_llama_norepack_rounds": _round_ratios(rows[label], rows.get(LLAMA_NOREPACK, [])),
                     "rss_vs_file": r["peak_rss"] / file_bytes if "peak_rss" in r else None})
     return out
 
@@ -177,12 +206,16 @@ def main() -> int:
     llama = args.llama_bench if args.llama_bench and Path(args.llama_bench).exists() else None
     if llama is None:
         print(f"note: llama.cpp skipped ({'--llama-bench not given' if not args.llama_bench else args.llama_bench + ' not found'})")
-    rows: dict[str, list[dict]] = ({LLAMA: []} if llama else {}) | {label: [] for label, _ in configs}
+    rows: dict[str, list[dict]] = ({LLAMA: [], LLAMA_NOREPACK: []} if llama else {}) | \
+        {label: [] for label, _ in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
             if llama:
                 rows[LLAMA].append(run_llama(llama, args.model, args.threads, args.tokens, Path(tmp)))
                 rows[LLAMA][-1]["load_1min"] = os.getloadavg()[0]  # the shared VM's load, with each figure
+                rows[LLAMA_NOREPACK].append(run_llama(llama, args.model, args.threads, args.tokens, Path(tmp),
+                                                      repack=False))
+                rows[LLAMA_NOREPACK][-1]["load_1min"] = os.getloadavg()[0]
             for label, settings in configs:
                 rows[label].append(run_config(args.model, settings, args.threads, args.tokens, Path(tmp)))
                 rows[label][-1]["load_1min"] = os.getloadavg()[0]
@@ -191,15 +224,18 @@ def main() -> int:
     result = table(rows, file_bytes)
     print(f"\n{Path(args.model).name} ({file_bytes / 2 ** 20:.0f} MiB), {args.threads} threads, "
           f"{args.tokens} decode tokens, best of {args.repeats} interleaved rounds")
-    print(f"{'configuration':34} {'tok/s':>8} {'x llama':>8} {'per round':>16} {'peak RSS':>10} {'x file':>7}")
+    print(f"{'configuration':34} {'tok/s':>8} {'x llama':>8} {'per round':>16} {'x no-repack':>12} "
+          f"{'per round':>16} {'peak RSS':>10} {'x file':>7} {'load':>5}")
     for r in result:
         if "tok_s" not in r:
             print(f"{r['config']:34} {r.get('error')}")
             continue
         vs = f"{r['vs_llama']:.3f}" if r["vs_llama"] is not None else "-"
         per = "/".join(f"{x:.2f}" for x in r["vs_llama_rounds"] if x is not None) or "-"
-        print(f"{r['config']:34} {r['tok_s']:8.1f} {vs:>8} {per:>16} {r['peak_rss'] / 2 ** 30:9.2f}G "
-              f"{r['rss_vs_file']:7.2f}")
+        vs_nr = f"{r['vs_llama_norepack']:.3f}" if r["vs_llama_norepack"] is not None else "-"
+        per_nr = "/".join(f"{x:.2f}" for x in r["vs_llama_norepack_rounds"] if x is not None) or "-"
+        print(f"{r['config']:34} {r['tok_s']:8.1f} {vs:>8} {per:>16} {vs_nr:>12} {per_nr:>16} "
+              f"{r['peak_rss'] / 2 ** 30:9.2f}G {r['rss_vs_file']:7.2f} {r.get('load_1min', 0):5.1f}")
     if args.json:
         doc = {"model": str(args.model), "file_bytes": file_bytes, "threads": args.threads, "tokens": args.tokens,
                "repeats": args.repeats, "table": result, "rounds": rows}

@@ -13,6 +13,10 @@ vocabulary size); the converter does not know its pre-tokenizer hash, so it is t
 
     python benchmarks/make_cpu_model.py --llama-cpp /work/refs/llama_cpp_python-0.3.36/vendor/llama.cpp \\
         --out /work/refs/cpu-model
+
+The second shape of issue 32 (many layers, a small vocabulary: the per-layer cost shows):
+
+    python benchmarks/make_cpu_model.py --llama-cpp ... --out /work/refs/cpu-model-12L --layers 12 --vocab 4096
 """
 
 from __future__ import annotations
@@ -39,14 +43,16 @@ convert_hf_to_gguf.main()
 """
 
 
-def save_hf(out: Path, seed: int) -> None:
+def save_hf(out: Path, seed: int, shape: dict) -> None:
     import torch
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     torch.manual_seed(seed)
-    config = tf.Qwen3MoeConfig(**SHAPE, bos_token_id=151643, eos_token_id=151643)
+    # a small vocabulary: the tokenizer's own <|endoftext|> (256 bytes + 5 merges) ends text
+    eos = 261 if shape["vocab_size"] < SHAPE["vocab_size"] else 151643
+    config = tf.Qwen3MoeConfig(**shape, bos_token_id=eos, eos_token_id=eos)
     config.architectures = ["Qwen3MoeForCausalLM"]
     model = tf.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(out)
@@ -66,15 +72,18 @@ def main() -> int:
     p.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source tree, built (build/bin)")
     p.add_argument("--out", required=True, type=Path, help="folder for hf/, model-f16.gguf, model-Q4_K_M.gguf")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", type=Path, help="llama-quantize (default: build/bin under --llama-cpp)")
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers (default 6)")
+    p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="vocabulary size (default Qwen's 151936)")
     args = p.parse_args()
     llama, out = args.llama_cpp.resolve(), args.out.resolve()
-    quantize = llama / "build" / "bin" / "llama-quantize"
+    quantize = args.quantize or llama / "build" / "bin" / "llama-quantize"
     if not (llama / "convert_hf_to_gguf.py").exists() or not quantize.exists():
         sys.exit(f"{llama} needs convert_hf_to_gguf.py and build/bin/llama-quantize (build it with cmake)")
     hf, f16, q4 = out / "hf", out / "model-f16.gguf", out / "model-Q4_K_M.gguf"
     out.mkdir(parents=True, exist_ok=True)
     if not (hf / "config.json").exists():
-        save_hf(hf, args.seed)
+        save_hf(hf, args.seed, {**SHAPE, "num_hidden_layers": args.layers, "vocab_size": args.vocab})
     if not f16.exists():
         code = CONVERT.format(llama=str(llama), hf=str(hf), out=str(f16))
         subprocess.run([sys.executable, "-c", code], check=True)

@@ -62,6 +62,9 @@ def main() -> int:
     p.add_argument("model", help="a GGUF MoE file (benchmarks/make_cpu_model.py)")
     p.add_argument("--baseline", default="resident", help="offload's baseline (default resident)")
     p.add_argument("--cpu-kernel", default="auto", choices=["auto", "ggml", "torch"])
+    p.add_argument("--cpu-graph", default="off", choices=["auto", "off"],
+                   help="off (default): the per-layer path, whose modules the hooks time; auto: one ggml "
+                        "graph a token (no module runs in decode: only the wall time means anything)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--json", help="write the table here")
@@ -72,7 +75,8 @@ def main() -> int:
     import expertcache
 
     torch.set_num_threads(args.threads)
-    model = expertcache.offload(args.model, device="cpu", baseline=args.baseline, cpu_kernel=args.cpu_kernel)
+    model = expertcache.offload(args.model, device="cpu", baseline=args.baseline, cpu_kernel=args.cpu_kernel,
+                                cpu_graph=args.cpu_graph)
     seconds = timed(model)
     wall = decode(model, args.tokens, before=seconds.clear)
     rows = breakdown({role: s / args.tokens * 1e3 for role, s in seconds.items()}, wall / args.tokens * 1e3)

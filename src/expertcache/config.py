@@ -35,6 +35,7 @@ HOST_MEMORY = ("auto", "copy", "mmap", "tiered")
 # activations quantized to 8 bits, docs/cpu.md), 'torch' dequantizes then matmuls (exact),
 # 'auto' takes ggml where libggml-python is installed and the expert type has a kernel.
 CPU_KERNELS = ("auto", "ggml", "torch")
+CPU_GRAPHS = ("auto", "off")  # decode as one ggml graph a token on the CPU (runtime/ggmlgraph.py)
 # Who plans a decode step (docs/runtime.md): 'host' reads the routing back and plans each MoE
 # layer's step at once; 'device' looks the experts up on the device, stages its misses itself
 # and runs the policy on the host ``lag`` forwards behind (runtime/devicestep.py, lagged.py).
@@ -74,6 +75,7 @@ class CacheConfig:
     slot_format: str = "auto"
     host_memory: str = "auto"
     cpu_kernel: str = "auto"            # quantized experts on the CPU: CPU_KERNELS
+    cpu_graph: str = "auto"             # CPU_GRAPHS: a GGUF decode step as one ggml graph where supported
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
     #                                     (None: measured on this machine at load)
     planner: str = "host"               # PLANNERS: who plans decode steps
@@ -104,6 +106,7 @@ class CacheConfig:
         self._check_choice("host_memory", self.host_memory, HOST_MEMORY)
         self._check_choice("cpu_kernel", self.cpu_kernel, CPU_KERNELS)
         self._check_tier()
+        self._check_choice("cpu_graph", self.cpu_graph, CPU_GRAPHS)
         self._check_choice("planner", self.planner, PLANNERS)
         if self.planner == "host" and (self.lag != 1 or self.staging_blocks not in (None, 1)):
             raise ValueError("lag and staging_blocks apply to planner='device' only (the host planner "

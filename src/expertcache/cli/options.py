@@ -7,8 +7,8 @@ POLICY_HELP = ("EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]], e.g. default
 
 
 def add_cache_options(p) -> None:
-    from ..config import (BASELINES, CPU_KERNELS, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS, PARTITIONS,
-                          PLANNERS, SLOT_FORMATS, GRAPH_MODES)
+    from ..config import (BASELINES, CPU_GRAPHS, CPU_KERNELS, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS,
+                          PARTITIONS, PLANNERS, SLOT_FORMATS, GRAPH_MODES)
 
     size = p.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="experts the device pool caches (all layers)")
@@ -29,6 +29,10 @@ def add_cache_options(p) -> None:
                         "(llama.cpp's; activations quantized to 8 bits), torch (dequantize, then matmul: "
                         "exact), or auto: ggml when libggml-python is installed and the type has a "
                         "kernel (docs/cpu.md)")
+    p.add_argument("--cpu-graph", default="auto", choices=CPU_GRAPHS,
+                   help="a GGUF decode step on the CPU with ggml as one ggml graph a token (Qwen3-MoE, "
+                        "Qwen2-MoE; resident or baseline cpu), or off: per-layer ggml and torch ops "
+                        "(docs/cpu.md)")
     p.add_argument("--host-memory", default="auto", choices=HOST_MEMORY,
                    help="quantized experts on the host: a copy in RAM (pinned with CUDA), the "
                         "memory-mapped file, auto (a pinned copy when it fits, else the file), or tiered "
@@ -70,7 +74,8 @@ def cache_config(args):
                        miss=args.miss, baseline=args.baseline, staging=args.staging,
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
-                       host_memory=args.host_memory, cpu_kernel=args.cpu_kernel, hardware=args.hardware,
+                       host_memory=args.host_memory, cpu_kernel=args.cpu_kernel,
+                       cpu_graph=args.cpu_graph, hardware=args.hardware,
                        host_budget=_budget(args.host_budget), host_policy=args.host_policy,
                        planner=args.planner, lag=1 if args.lag is None else args.lag,
                        staging_blocks=args.staging_blocks, graphs=args.graphs)

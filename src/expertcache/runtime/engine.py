@@ -64,6 +64,8 @@ class ExpertCache:
         self.h2d = [[0] * self.num_layers for _ in range(2)]  # [phase][layer] bytes
         self.phase: int | None = None  # set per forward by the model's pre-hook
         self.model = None  # set by offload(): report() reads the model's forward clock
+        # decode as one ggml graph a token (runtime/ggmlgraph.py): set when attached on the CPU
+        self.cpu_graph, self.cpu_graph_reason = "off", "not a CPU run with ggml's kernels"
         if config.baseline == "resident":
             self._preload_all()
         elif counts is not None:
@@ -226,6 +228,7 @@ class ExpertCache:
         return LiveStats(table, h2d, {**planner, "expert_kernel": kernel, "expert_kernel_reason": kernel_reason,
             "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
             "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
+            "cpu_graph": self.cpu_graph, "cpu_graph_reason": self.cpu_graph_reason,
             # the non-expert weights (a GGUF's lm_head, attention, embedding): runtime/cpudense.py
             "dense_kernel": dense.kernel, "dense_kernel_reason": dense.summary(),
             "bytes_per_slot": self.sizing.slot_bytes,
@@ -279,6 +282,7 @@ class ExpertCache:
                 "slot_bytes": self.slot_bytes, "expert_bytes": self.expert_bytes,
                 "slot_format": self.slot_format, "cpu_kernel": self.cpu_kernel,
                 "cpu_kernel_reason": self.cpu_kernel_reason, "host_resident": self.host_resident,
+                "cpu_graph": self.cpu_graph, "cpu_graph_reason": self.cpu_graph_reason,
                 "dense_kernel": report_of(self.model).kernel,
                 "expert_kernel": kernel, "expert_kernel_reason": kernel_reason,
                 "scratch_bytes": self.pool.scratch_bytes,

@@ -1,0 +1,525 @@
+"""CPU decode as one ggml graph a token (issue 32): llama.cpp's way, on the model we loaded.
+
+A GGUF model on the CPU with ggml already computes its experts and dense weights with ggml's
+kernels on the mapped file (``cpukernel.py``, ``cpudense.py``), but each token still walks
+transformers' eager modules: a few hundred small torch calls a layer. Here the whole decode
+step is one ggml graph, built once per cache capacity and re-run per token: the embedding
+(``get_rows`` on the file's bytes), the RMS norms, q / k / v / o, RoPE, attention over a KV
+cache held in ggml tensors (``flash_attn_ext`` with a mask; the cache written with
+``set_rows``), the router's softmax and top-k (``argsort_top_k``, ``get_rows`` on the probs,
+normalised as the family does), the experts through ``mul_mat_id`` on the host's quantized
+bytes, shared experts, the final norm and the lm_head. Python fills four small inputs (token,
+position, write row, one mask cell) and runs the graph: one call a token.
+
+Every weight is read where the loaded model keeps it (the mapped file's bytes for quantized
+tensors, transformers' float32 parameters for F32 norms and routers): nothing is copied.
+The graph follows transformers' conventions (its weights, rotate-half RoPE), so it computes
+what the eager path computes, with ggml's arithmetic.
+
+The KV cache: per layer one float32 buffer ``[capacity, kv_heads * head_dim]`` (a row a
+token, llama.cpp's layout), grown by doubling. The caller's ``DynamicCache`` keeps working:
+after each step its layers hold views of these buffers; a prefill run by the eager path (or
+any other step it ran) is copied in before the next graph step (the hand-over). Prefill stays
+on the eager path (its experts and linears are ggml's already).
+
+Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases); others (GPT-OSS: sinks,
+sliding windows, YaRN, a clamped gate, expert biases) keep the eager path and ``support()``
+and ``summary()['cpu_graph_reason']`` say why.
+Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
+is computed from them); a run with a CPU slot cache keeps the per-layer path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..quant import ggmlgraph as gg
+from ..quant.ggmlgraph import GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, GGML_TYPE_I64
+from ..stats import DECODE
+from .cpudense import GgmlEmbedding, GgmlLinear
+from .threads import ggml_threads
+
+# the families whose quantized experts reach ggml here (GGUF files transformers 5.24 maps);
+# Mixtral and OLMoE have no GGUF mapping in transformers, so their experts never do
+FAMILIES = {"qwen3_moe", "qwen2_moe"}
+_SUM_BY_ROWS = True          # the experts' weighted sum: one sum_rows (else K - 1 adds)
+_MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
+_ALLOWED_KWARGS = {"input_ids", "past_key_values", "cache", "use_cache", "attention_mask", "position_ids",
+                   "cache_position", "logits_to_keep", "return_dict"}
+_FALSE_KWARGS = {"output_attentions", "output_hidden_states", "output_router_logits"}
+
+
+class Unsupported(Exception):
+    """Why this model (or this forward) stays on the eager path."""
+
+
+# -- what the model holds, as ggml sees it ---------------------------------------------
+def _linear(module: torch.nn.Module) -> tuple[int, tuple[int, int], int, torch.Tensor | None]:
+    """(ggml type, ne (in, out), data address, bias or None) of a Linear as the model holds it."""
+    if isinstance(module, GgmlLinear):
+        return module.ggml_type, (module.cols, module.rows), module.data.data_ptr(), module.bias
+    if isinstance(module, torch.nn.Linear):
+        w = module.weight
+        if w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu":
+            raise Unsupported(f"a {w.dtype} linear weight (the graph reads float32 or the file's bytes)")
+        return GGML_TYPE_F32, (w.shape[1], w.shape[0]), w.data_ptr(), module.bias
+    raise Unsupported(f"{type(module).__name__} where a Linear was expected")
+
+
+def _vector(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise Unsupported(f"a {t.dtype} norm or bias (the graph reads float32)")
+    return t
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    raise Unsupported(f"{type(norm).__name__}: no epsilon")
+
+
+def support(model: torch.nn.Module, cache) -> str | None:
+    """None when the graph can decode this model, else why not (one line)."""
+    try:
+        _Spec(model, cache)
+    except Unsupported as err:
+        return str(err)
+    return None
+
+
+class _Spec:
+    """The model's shape and weights, checked once: what a graph is built from."""
+
+    def __init__(self, model: torch.nn.Module, cache) -> None:
+        cfg = model.config
+        self.family = getattr(cfg, "model_type", None)
+        if self.family not in FAMILIES:
+            raise Unsupported(f"{self.family}: not built as one graph yet (families: {', '.join(sorted(FAMILIES))})")
+        if cache.kernels is None or cache.device.type != "cpu":
+            raise Unsupported("experts are not on ggml's CPU kernels")
+        if not (cache.host_resident or (cache.pool.slots == 0 and cache.miss == "cpu")):
+            raise Unsupported("slots cache experts: the graph reads the host's bytes (resident, baseline cpu)")
+        if cache.planner is not None:
+            raise Unsupported("planner='device'")
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
+                and any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ["sliding"]):
+            raise Unsupported("sliding-window attention")
+        if getattr(cfg, "layer_types", None) and any(t != "full_attention" for t in cfg.layer_types):
+            raise Unsupported("layers other than full attention")
+        self.cache = cache
+        inner = model.model
+        rope = inner.rotary_emb
+        if getattr(rope, "rope_type", "default") != "default" or float(getattr(rope, "attention_scaling", 1.0)) != 1.0:
+            raise Unsupported(f"rope type {getattr(rope, 'rope_type', '?')}")
+        inv = rope.inv_freq.float()
+        self.n_rot = 2 * inv.numel()
+        self.rope_base = float(1.0 / inv[1] ** (-1.0 / (2.0 / self.n_rot))) if inv.numel() > 1 else 10000.0
+        params = getattr(cfg, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", getattr(cfg, "rope_theta", None)) if isinstance(params, dict) else None
+        if theta is not None:
+            self.rope_base = float(theta)
+        self.hidden = cfg.hidden_size
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
+        if self.n_rot != self.head_dim:
+            raise Unsupported("partial rotary embedding")
+        if getattr(cfg, "clip_qkv", None) is not None:
+            raise Unsupported("clip_qkv")
+        embed = model.get_input_embeddings()
+        if isinstance(embed, GgmlEmbedding):
+            self.embed = (embed.ggml_type, (embed.cols, embed.rows), embed.data.data_ptr())
+        elif isinstance(embed, torch.nn.Embedding) and embed.weight.dtype == torch.float32:
+            self.embed = (GGML_TYPE_F32, (embed.weight.shape[1], embed.weight.shape[0]), embed.weight.data_ptr())
+        else:
+            raise Unsupported(f"embedding {type(embed).__name__}")
+        self.vocab = self.embed[1][1]
+        self.final_norm = (_vector(inner.norm.weight), _eps(inner.norm))
+        self.lm_head = _linear(model.get_output_embeddings())
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(inner.layers)]
+
+    def _layer(self, i: int, layer: torch.nn.Module) -> dict:
+        attn = layer.self_attn
+        if abs(float(getattr(attn, "scaling", self.head_dim ** -0.5)) - self.head_dim ** -0.5) > 1e-12:
+            raise Unsupported("attention scaling other than 1/sqrt(head_dim)")
+        spec = {"in_norm": (_vector(layer.input_layernorm.weight), _eps(layer.input_layernorm)),
+                "post_norm": (_vector(layer.post_attention_layernorm.weight), _eps(layer.post_attention_layernorm)),
+                "q": _linear(attn.q_proj), "k": _linear(attn.k_proj), "v": _linear(attn.v_proj),
+                "o": _linear(attn.o_proj)}
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(attn, name, None)
+            if norm is not None:
+                if norm.weight.numel() != self.head_dim:
+                    raise Unsupported(f"{name} over more than one head")
+                spec[name] = (_vector(norm.weight), _eps(norm))
+        mlp = layer.mlp
+        experts = getattr(mlp, "experts", None)
+        if experts is None:  # a dense layer (Qwen's mlp_only_layers, decoder_sparse_step)
+            spec["mlp"] = self._dense_mlp(mlp)
+            return spec
+        handle = getattr(experts, "_expertcache", None)
+        if handle is None:
+            raise Unsupported(f"layer {i}: experts not attached")
+        cache, index = handle
+        kernel = cache.kernels[index]
+        if not kernel._silu_gate(experts):
+            raise Unsupported(f"layer {i}: an expert gate other than SiLU(gate) * up")
+        host = cache.hosts[index]
+        parts = {p: host.tensors[p] for p in (*kernel.first.parts, *kernel.down.parts)}
+        router = mlp.gate
+        norm = bool(getattr(router, "norm_topk_prob", False))
+        spec["moe"] = {"router": _vector(router.weight), "top_k": router.top_k, "norm": norm,
+                       "experts": [(kernel.part[p].fmt.ggml_type, *kernel.part[p].shape, t) for p, t in parts.items()],
+                       "index": index}
+        if getattr(mlp, "shared_expert", None) is not None:
+            spec["shared"] = self._dense_mlp(mlp.shared_expert)
+            gate = getattr(mlp, "shared_expert_gate", None)
+            spec["shared_gate"] = None if gate is None else _linear(gate)
+        return spec
+
+    @staticmethod
+    def _dense_mlp(mlp: torch.nn.Module) -> dict:
+        from transformers.activations import SiLUActivation
+
+        if type(getattr(mlp, "act_fn", None)) not in (SiLUActivation, torch.nn.SiLU):
+            raise Unsupported(f"{type(mlp).__name__}: an activation other than SiLU")
+        return {"gate": _linear(mlp.gate_proj), "up": _linear(mlp.up_proj), "down": _linear(mlp.down_proj)}
+
+
+# -- the graph ------------------------------------------------------------------------
+class _StepGraph:
+    """One decode step's graph for ``tokens`` new tokens over a KV cache of ``capacity`` rows."""
+
+    def __init__(self, spec: _Spec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int,
+                 n_threads: int) -> None:
+        # T tokens, C cache rows, H hidden, D head dim, N heads, M kv heads, E experts, K top-k, V vocab
+        self.spec, self.tokens, self.capacity = spec, tokens, kv[0][0].shape[0]
+        # headers: about 60 ops a layer and 2 per top-k rank (the sum over ranks), counted twice
+        g = self.g = gg.Graph((160 + 4 * 64) * len(spec.layers) + 256)
+        T, C = tokens, self.capacity
+        self.tok, self.tok_addr = g.input(GGML_TYPE_I32, (T,), 4)
+        self.pos, self.pos_addr = g.input(GGML_TYPE_I32, (T,), 4)
+        self.rows, self.rows_addr = g.input(GGML_TYPE_I64, (T,), 8)
+        self.mask, self.mask_addr = g.input(GGML_TYPE_F16, (C, T), 2)
+        self.ids = []                                                          # [K, T] per MoE layer
+        x = g.get_rows(g.leaf(spec.embed[0], spec.embed[1], spec.embed[2]), self.tok)   # [H, T]
+        for layer, (k_buf, v_buf) in zip(spec.layers, kv):
+            x = self._layer(layer, x, k_buf, v_buf)
+        w, eps = spec.final_norm
+        x = g.mul(g.rms_norm(x, eps), self._vec(w))
+        self.logits = self._mm(spec.lm_head, x)                                  # [V, T]
+        # the top-k ids are a view of the sorted [E, T]: that whole tensor stays readable
+        sorted_ = [gg.view_src(t) for t in self.ids]
+        self.work_bytes = g.finish([self.logits, *sorted_], n_threads)
+        self._ids_views = [gg.int32_array(s_, (T, gg.ne(s_)[0]))[:, :gg.ne(t)[0]] for s_, t in zip(sorted_, self.ids)]
+        self._mask = gg.f16_array(self.mask_addr, (T, C))                        # [T, C] 0 or -inf
+        self._tok = gg.int32_array(self.tok_addr, (T,))      # numpy views of the inputs, made once
+        self._pos = gg.int32_array(self.pos_addr, (T,))
+        self._rows = gg.int64_array(self.rows_addr, (T,))
+        self._filled = -1                                    # mask cells set to 0: [0, _filled)
+
+    def _vec(self, t: torch.Tensor):
+        return self.g.leaf(GGML_TYPE_F32, (t.numel(),), t.data_ptr())
+
+    def _mm(self, lin, x):
+        ggml_type, ne, ptr, bias = lin
+        y = self.g.mul_mat(self.g.leaf(ggml_type, ne, ptr), x)
+        return y if bias is None else self.g.add(y, self._vec(_vector(bias)))
+
+    def _norm(self, x, norm):
+        w, eps = norm
+        return self.g.mul(self.g.rms_norm(x, eps), self._vec(w))
+
+    def _layer(self, L: dict, x, k_buf: torch.Tensor, v_buf: torch.Tensor):
+        g, s, T, C = self.g, self.spec, self.tokens, self.capacity
+        D, N, M = s.head_dim, s.heads, s.kv_heads
+        h = self._norm(x, L["in_norm"])                                          # [H, T]
+        q, k, v = self._mm(L["q"], h), self._mm(L["k"], h), self._mm(L["v"], h)  # [N*D | M*D, T]
+        q, k = g.reshape_3d(q, D, N, T), g.reshape_3d(k, D, M, T)               # [D, N | M, T]
+        if "q_norm" in L:                                                        # Qwen3: per head
+            q, k = self._norm(q, L["q_norm"]), self._norm(k, L["k_norm"])
+        q = g.rope(q, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base)
+        k = g.rope(k, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base)
+        kc = g.leaf(GGML_TYPE_F32, (M * D, C), k_buf.data_ptr())                 # [M*D, C]
+        vc = g.leaf(GGML_TYPE_F32, (M * D, C), v_buf.data_ptr())
+        g.expand(g.set_rows(kc, g.reshape_2d(k, M * D, T), self.rows))          # written before it is read
+        g.expand(g.set_rows(vc, v, self.rows))                                  # v: [M*D, T]
+        row = 4 * M * D
+        kv_k = g.view_3d(kc, D, C, M, row, 4 * D, 0)                            # [D, C, M]
+        kv_v = g.view_3d(vc, D, C, M, row, 4 * D, 0)
+        qp = g.permute(q, 0, 2, 1, 3)                                            # [D, T, N]
+        a = g.attention(qp, kv_k, kv_v, self.mask, D ** -0.5)                   # [D, N, T]
+        o = self._mm(L["o"], g.reshape_2d(a, D * N, T))                          # [H, T]
+        x = g.add(o, x)
+        h = self._norm(x, L["post_norm"])
+        y = self._moe(L["moe"], h) if "moe" in L else self._dense(L["mlp"], h)
+        if "shared" in L:
+            sh = self._dense(L["shared"], h)                                     # [H, T]
+            if L["shared_gate"] is not None:
+                sh = g.mul(sh, g.sigmoid(self._mm(L["shared_gate"], h)))          # gate [1, T]
+            y = g.add(y, sh)
+        return g.add(y, x)
+
+    def _dense(self, mlp: dict, h):
+        g = self.g
+        return self._mm(mlp["down"], g.mul(g.silu(self._mm(mlp["gate"], h)), self._mm(mlp["up"], h)))
+
+    def _moe(self, moe: dict, h):
+        g, T, H = self.g, self.tokens, self.spec.hidden
+        K = moe["top_k"]
+        router = moe["router"]
+        E = router.shape[0]
+        logits = g.mul_mat(g.leaf(GGML_TYPE_F32, (H, E), router.data_ptr()), h)  # [E, T]
+        probs = g.soft_max(logits)
+        sel = g.argsort_top_k(probs, K)                                           # [K, T] int32
+        self.ids.append(sel)
+        w = g.get_rows(g.reshape_3d(probs, 1, E, T), sel)                        # [1, K, T]
+        if moe["norm"]:
+            w2 = g.reshape_2d(w, K, T)
+            w = g.reshape_3d(g.div(w2, g.sum_rows(w2)), 1, K, T)
+        hx = g.reshape_3d(h, H, 1, T)
+        weights = [g.leaf(t, (cols, rows, data.shape[0]), data.data_ptr(), stride=data.stride(0))
+                   for t, rows, cols, data in moe["experts"]]                    # [cols, rows, E]
+        if len(weights) == 3:   # gate, up, down
+            gate, up = g.mul_mat_id(weights[0], hx, sel), g.mul_mat_id(weights[1], hx, sel)   # [I, K, T]
+        else:                   # one fused gate_up [2I]: gate rows first
+            gu = g.mul_mat_id(weights[0], hx, sel)                                # [2I, K, T]
+            half = gg.ne(gu)[0] // 2
+            gate = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), 0)
+            up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
+        par = g.swiglu_split(gate, up)                                            # silu(gate) * up
+        ex = g.mul(g.mul_mat_id(weights[-1], par, sel), w)                        # [H, K, T]
+        if not _SUM_BY_ROWS:  # llama.cpp's way: K - 1 adds of views
+            y = g.view_2d(ex, H, T, gg.nb(ex, 2), 0)
+            for k in range(1, K):
+                y = g.add(y, g.view_2d(ex, H, T, gg.nb(ex, 2), k * gg.nb(ex, 1)))
+            return y                                                              # [H, T]
+        # the sum over ranks as one sum_rows of a [K, H, T] copy: 4 nodes instead of 2K - 1
+        return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), H, T)  # [H, T]
+
+    def run(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Logits [T, V] for ``tokens`` at positions start.. (their KV rows written too): each
+        token attends to the rows before it and itself (causal)."""
+        T = self.tokens
+        self._tok[:] = tokens
+        self._pos[:] = self._rows[:] = range(start, start + T)
+        if T == 1 and start == self._filled:   # the next decode token: one more cell to see
+            self._mask[0, start] = 0
+        else:
+            self._mask[:] = -np.inf
+            for t in range(T):
+                self._mask[t, :start + t + 1] = 0
+        self._filled = start + 1 if T == 1 else -1
+        out = torch.empty(T, self.spec.vocab)                                     # [T, V]
+        self.logits.contents.data = out.data_ptr()
+        self.g.run()
+        return out
+
+    def routed(self) -> list[np.ndarray]:
+        """Each MoE layer's chosen experts of the last run, [T, K] int32 (views: copy to keep)."""
+        return self._ids_views
+
+
+# -- the decode path ------------------------------------------------------------------
+def _graph_layer_class():
+    """``DynamicLayer`` whose keys and values are the graph's KV rows, made into tensors only
+    when something reads them (the eager path, ``get_seq_length`` reads the length alone):
+    a graph step then costs the cache no Python. The first write by anyone else (the eager
+    path's ``torch.cat``, ``crop``) turns the layer back into one holding its own tensors."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GraphLayer(DynamicLayer):
+        _graph = None  # (decoder, layer index) while the rows live in the decoder's buffers
+
+        def _get(self, name: str, which: int):
+            if self._graph is not None:
+                decoder, index = self._graph
+                return decoder.view(index, which)
+            return self.__dict__.get(name)
+
+        def _set(self, name: str, value) -> None:
+            if self._graph is not None:  # someone else writes: hold views of the rows now
+                decoder, index = self._graph
+                self.__dict__["_keys"], self.__dict__["_values"] = decoder.view(index, 0), decoder.view(index, 1)
+                self._graph = None
+            self.__dict__[name] = value
+
+        keys = property(lambda self: self._get("_keys", 0), lambda self, v: self._set("_keys", v))
+        values = property(lambda self: self._get("_values", 1), lambda self, v: self._set("_values", v))
+
+        def get_seq_length(self) -> int:
+            return self._graph[0].length if self._graph is not None else super().get_seq_length()
+
+    return GraphLayer
+
+
+class GraphDecoder:
+    """The model's ``forward`` for one-token decode steps of one sequence (batch 1) with a
+    ``DynamicCache``; every other forward (prefill, batches, a custom mask, gradients) goes to
+    the eager forward, and the KV cache is handed over both ways."""
+
+    def __init__(self, model: torch.nn.Module, cache, eager) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        self.spec = _Spec(model, cache)   # raises Unsupported
+        self.cache, self.eager = cache, eager
+        self.threads = ggml_threads()
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []    # per layer K, V [C, M*D] float32
+        self.graphs: dict[tuple[int, int], _StepGraph] = {}
+        self.owner = None                    # weakref to the DynamicCache whose layers read the buffers
+        self.length = 0                      # rows of the owner's cache in the buffers
+        self.steps = 0                       # tokens decoded by the graph
+        self.eager_calls: dict[str, int] = {}  # why forwards went eager
+        self.enabled = True
+        self._layer_types = (DynamicLayer, _graph_layer_class())
+        self._moe_layers = [L["moe"]["index"] for L in self.spec.layers if "moe" in L]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv[0][0].shape[0] if self.kv else 0
+
+    def kv_bytes(self) -> int:
+        return sum(k.numel() * 4 + v.numel() * 4 for k, v in self.kv)
+
+    def view(self, layer: int, which: int) -> torch.Tensor:
+        """Layer ``layer``'s keys (0) or values (1) as transformers holds them: [1, M, n, D]."""
+        M, D, n = self.spec.kv_heads, self.spec.head_dim, self.length
+        return self.kv[layer][which].as_strided((1, M, n, D), (n * M * D, D, M * D, 1))
+
+    def __call__(self, *args, **kwargs):
+        why = self._refusal(args, kwargs)
+        if why is not None:
+            self.eager_calls[why] = self.eager_calls.get(why, 0) + 1
+            return self.eager(*args, **kwargs)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        past = _past(kwargs)
+        n, T = past.get_seq_length(), ids.shape[1]
+        self._hand_over(past, n, T)
+        logits = self._graph(T).run(ids[0].tolist(), n)                        # [T, V]
+        self.length = n + T
+        self._count(self.graphs[(T, self.capacity)])
+        self.steps += T
+        logits = logits.view(1, T, -1)
+        if kwargs.get("return_dict") is False:
+            return logits, past
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        return CausalLMOutputWithPast(logits=logits, cache=past)
+
+    def _refusal(self, args: tuple, kwargs: dict) -> str | None:
+        """Why this forward runs eagerly, or None for the graph."""
+        if not self.enabled:
+            return "disabled"
+        if len(args) > 1 or any(k not in _ALLOWED_KWARGS and not (k in _FALSE_KWARGS and not v)
+                                for k, v in kwargs.items()):
+            return "arguments the graph does not take"
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] != 1:
+            return "not one token of one sequence"
+        if torch.is_grad_enabled():
+            return "gradients enabled"
+        if kwargs.get("use_cache") is False:
+            return "use_cache=False"
+        past = _past(kwargs)
+        from transformers.cache_utils import DynamicCache
+        if not isinstance(past, DynamicCache) or len(past.layers) != len(self.spec.layers) \
+                or any(type(layer) not in self._layer_types for layer in past.layers):
+            return "no DynamicCache of full-attention layers"
+        n = past.get_seq_length()
+        if n == 0:
+            return "an empty cache (prefill)"
+        T = ids.shape[1]
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (mask.shape != (1, n + T) or not bool(mask.all())):
+            return "an attention mask with padding"
+        for name in ("position_ids", "cache_position"):
+            given = kwargs.get(name)
+            if given is not None and given.reshape(-1).tolist() != list(range(n, n + T)):
+                return f"{name} other than the next positions"
+        keep = kwargs.get("logits_to_keep", 0)
+        if not isinstance(keep, int) or keep not in (0, T):
+            return "logits_to_keep"
+        if not self._in_sync(past) and past.layers[0].keys.dtype != torch.float32:
+            return "a cache not in float32"
+        return None
+
+    def _in_sync(self, past) -> bool:
+        """Whether ``past``'s layers read this decoder's rows (no hand-over needed)."""
+        return (self.owner is not None and self.owner() is past
+                and all(getattr(layer, "_graph", None) is not None and layer._graph[0] is self
+                        for layer in past.layers))
+
+    def _hand_over(self, past, n: int, T: int) -> None:
+        """Make the buffers hold ``past``'s n rows, with room for T more, and ``past``'s layers
+        read them (their own tensors are dropped: the KV cache is held once)."""
+        in_sync = self._in_sync(past)
+        if in_sync and n + T <= self.capacity:
+            return
+        if not in_sync:
+            self._detach_owner()
+        M, D = self.spec.kv_heads, self.spec.head_dim
+        rows = [(layer.keys, layer.values) for layer in past.layers]            # [1, M, n, D] each
+        if n + T > self.capacity:
+            cap = max(_MIN_CAPACITY, self.capacity)
+            while cap < n + T:
+                cap *= 2
+            # empty: rows past the cache's length are masked, and ggml skips masked rows
+            self.kv = [(torch.empty(cap, M * D), torch.empty(cap, M * D)) for _ in self.spec.layers]
+            self.graphs.clear()
+        for (keys, values), (kb, vb) in zip(rows, self.kv):                       # -> [n, M*D]
+            kb[:n].view(n, M, D).copy_(keys[0].transpose(0, 1))
+            vb[:n].view(n, M, D).copy_(values[0].transpose(0, 1))
+        del rows
+        graph_layer = self._layer_types[1]
+        for index, layer in enumerate(past.layers):
+            layer.__dict__.pop("keys", None), layer.__dict__.pop("values", None)
+            layer.__dict__.pop("_keys", None), layer.__dict__.pop("_values", None)
+            layer.__class__ = graph_layer
+            layer._graph = (self, index)
+        import weakref
+        self.owner, self.length = weakref.ref(past), n
+
+    def _detach_owner(self) -> None:
+        """The cache whose layers read the buffers gets its own copies of its rows: another
+        cache's rows are about to be written there."""
+        owner = self.owner() if self.owner is not None else None
+        if owner is not None:
+            for layer in owner.layers:
+                if getattr(layer, "_graph", None) is not None and layer._graph[0] is self:
+                    keys, values = layer.keys.clone(), layer.values.clone()
+                    layer._graph = None
+                    layer.keys, layer.values = keys, values
+        self.owner = None
+
+    def _graph(self, T: int) -> _StepGraph:
+        key = (T, self.capacity)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _StepGraph(self.spec, self.kv, T, self.threads)
+        return graph
+
+    def _count(self, graph: _StepGraph) -> None:
+        """The step's routing into the cache's table (its counters: hits, accesses)."""
+        table = self.cache.table
+        for layer, ids in zip(self._moe_layers, graph.routed()):
+            table.step(layer, ids.reshape(-1).tolist(), DECODE)
+
+
+def _past(kwargs: dict):
+    """The cache a forward was given (``cache``; ``past_key_values`` before transformers 5.24)."""
+    past = kwargs.get("cache")
+    return kwargs.get("past_key_values") if past is None else past
+
+
+def attach(model: torch.nn.Module, cache, choice: str = "auto") -> tuple[str, str]:
+    """Decode through one graph a token where this model allows it: ('on' | 'off', why)."""
+    if choice == "off":
+        return "off", "cpu_graph='off' asked for"
+    try:
+        decoder = GraphDecoder(model, cache, model.forward)
+    except Unsupported as err:
+        return "off", f"{err}: per-layer ggml and torch ops"
+    model.forward = decoder   # an instance attribute: nn.Module.__call__ (and its hooks) runs it
+    model._expertcache_graph = decoder
+    return "on", (f"one ggml graph a decode token ({decoder.spec.family}, {len(decoder.spec.layers)} layers, "
+                  f"{decoder.threads} threads); prefill per layer")
