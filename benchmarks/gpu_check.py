@@ -67,18 +67,22 @@ def bandwidth(args) -> int:
     """Device memory bandwidth (a device-to-device copy: bytes read + written over time, as
     vendors quote it; a decode step's weight reads run at about this rate) and pinned
     host-to-device bandwidth, each the best of a few plain torch copies."""
-    dev = torch.device("cpu" if args.rehearse else "cuda")
-    n_dev, n_h2d = (64 << 20, 32 << 20) if args.rehearse else (4 << 30, 1 << 30)
+    out = measure_bandwidth(torch.device("cpu" if args.rehearse else "cuda"))
+    say(f"bandwidth on {out['device']}: device copy {out['device_gbs']:.0f} GB/s (read + write), "
+        f"pinned H2D {out['h2d_gbs']:.1f} GB/s")
+    save(Path(args.work) / "bandwidth.json", out)
+    return 0
+
+
+def measure_bandwidth(dev: torch.device) -> dict:
+    """{"device", "device_gbs", "h2d_gbs"}: plain torch copies, small ones on the CPU."""
+    n_dev, n_h2d = (4 << 30, 1 << 30) if dev.type == "cuda" else (64 << 20, 32 << 20)
     src = torch.empty(n_dev, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     host = torch.empty(n_h2d, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     landing = torch.empty(n_h2d, dtype=torch.uint8, device=dev)
-    out = {"device": str(dev), "device_gbs": 2 * n_dev / best(lambda: dst.copy_(src), dev) / 1e9,
-           "h2d_gbs": n_h2d / best(lambda: landing.copy_(host, non_blocking=True), dev) / 1e9}
-    say(f"bandwidth on {dev}: device copy {out['device_gbs']:.0f} GB/s (read + write), "
-        f"pinned H2D {out['h2d_gbs']:.1f} GB/s")
-    save(Path(args.work) / "bandwidth.json", out)
-    return 0
+    return {"device": str(dev), "device_gbs": 2 * n_dev / best(lambda: dst.copy_(src), dev) / 1e9,
+            "h2d_gbs": n_h2d / best(lambda: landing.copy_(host, non_blocking=True), dev) / 1e9}
 
 
 def best(fn, dev: torch.device, repeats: int = 5) -> float:

@@ -29,14 +29,13 @@ import argparse
 import gc
 import json
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import REAL, TOY  # noqa: E402
+from gpu_check import REAL, TOY, measure_bandwidth  # noqa: E402
 from gpu_decode import build, routing  # noqa: E402
 
 from expertcache import offload  # noqa: E402
@@ -90,29 +89,6 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def bandwidths(device: torch.device) -> dict:
-    """Device memory read and pinned host-to-device bytes a second, plain torch copies."""
-    if device.type != "cuda":
-        return {"device_read": 20e9, "h2d": 10e9, "measured": False}  # placeholders for the rehearsal
-    big = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    dst = torch.empty_like(host, device=device)
-
-    def best(fn, nbytes):
-        times = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return nbytes / min(times)
-
-    read = best(lambda: big.view(torch.int64).sum(), big.numel())
-    h2d = best(lambda: dst.copy_(host, non_blocking=True), host.numel())
-    return {"device_read": read, "h2d": h2d, "measured": True}
-
-
 def run(model, ids, tokens: int, warm: int, graphs: bool) -> tuple[list, float]:
     """Greedy decode of warm + tokens; (tokens [B, N], steady seconds of the last ``tokens``)."""
     clock = ForwardClock.of(model)
@@ -160,10 +136,9 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args.rehearse:  # each batch size of each row compiles once: keep the CPU's share small
         batches = [1] if args.batches == "1,16" else [min(b, 4) for b in batches]
-    bw = bandwidths(device)
-    if args.bandwidth and Path(args.bandwidth).exists():
-        measured = json.loads(Path(args.bandwidth).read_text())
-        bw = {"device_read": measured["device_gbs"] * 1e9, "h2d": measured["h2d_gbs"] * 1e9, "measured": True}
+    known = args.bandwidth and Path(args.bandwidth).exists()
+    measured = json.loads(Path(args.bandwidth).read_text()) if known else measure_bandwidth(device)
+    bw = {"device_read": measured["device_gbs"] * 1e9, "h2d": measured["h2d_gbs"] * 1e9}
     say(f"gpu_graphs on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: "
         f"{size['layers']} layers, device read {bw['device_read'] / 1e9:.0f} GB/s, H2D {bw['h2d'] / 1e9:.1f} GB/s")
     trace, source = routing(size["layers"], 4096)

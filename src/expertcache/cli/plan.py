@@ -71,7 +71,7 @@ def run(args) -> int:
         host_budget_share(budget)  # the spelling, before any replay
         if hw.disk_gbps is None:
             raise ValueError(f"--host-budget needs the drive's read rate: give --disk-gbps or a --hardware "
-                             f"profile with disk_gbps ('expertcache probe --disk MODEL_FILE -o FILE')")
+                             "profile with disk_gbps ('expertcache probe --disk MODEL_FILE -o FILE')")
     trace, why = _trace(args, model) if args.trace else default_trace(model, args.tokens)
     if args.requests != 1 and trace is not None:
         from ..trace.batch import batch_traces
