@@ -208,3 +208,17 @@ def test_graph_decode_against_llamacpps_logits(tmp_path, family, experts, dense)
     assert model._expertcache_graph.steps == len(tokens) - 1
     logits = torch.stack(rows)                                                  # [T, vocab]
     assert _rel(logits, llama) < LLAMA_TOL[key]
+
+
+def test_a_deep_copy_of_the_cache_holds_its_own_rows(tmp_path):
+    import copy
+
+    model = _load(tmp_path, "qwen3_moe", "F32", "F32")
+    _, _, past, tok = _decode(model, PROMPT, 3)
+    twin = copy.deepcopy(past)
+    assert all(type(layer).__name__ == "DynamicLayer" for layer in twin.layers)
+    assert torch.equal(twin.layers[1].values, past.layers[1].values)
+    assert twin.layers[1].values.data_ptr() != past.layers[1].values.data_ptr()
+    more, logits, _, _ = _decode(model, None, 3, twin, tok)     # the copy decodes on (handed over)
+    again, logits_again, _, _ = _decode(model, None, 3, past, tok)
+    assert more == again and _rel(logits, logits_again) < FLOAT_TOL

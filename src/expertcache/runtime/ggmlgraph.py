@@ -31,6 +31,8 @@ is computed from them); a run with a CPU slot cache keeps the per-layer path.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -322,6 +324,7 @@ class _StepGraph:
 
 
 # -- the decode path ------------------------------------------------------------------
+@lru_cache(maxsize=1)
 def _graph_layer_class():
     """``DynamicLayer`` whose keys and values are the graph's KV rows, made into tensors only
     when something reads them (the eager path, ``get_seq_length`` reads the length alone):
@@ -350,6 +353,16 @@ def _graph_layer_class():
 
         def get_seq_length(self) -> int:
             return self._graph[0].length if self._graph is not None else super().get_seq_length()
+
+        def __deepcopy__(self, memo):
+            """A plain DynamicLayer holding copies of the rows (never a copy of the decoder)."""
+            import copy
+
+            layer = DynamicLayer.__new__(DynamicLayer)
+            state = {k: v for k, v in vars(self).items() if k not in ("_graph", "_keys", "_values")}
+            layer.__dict__.update(copy.deepcopy(state, memo))
+            layer.keys, layer.values = self.keys.clone(), self.values.clone()
+            return layer
 
     return GraphLayer
 
