@@ -222,3 +222,14 @@ def test_a_deep_copy_of_the_cache_holds_its_own_rows(tmp_path):
     more, logits, _, _ = _decode(model, None, 3, twin, tok)     # the copy decodes on (handed over)
     again, logits_again, _, _ = _decode(model, None, 3, past, tok)
     assert more == again and _rel(logits, logits_again) < FLOAT_TOL
+
+
+def test_recording_a_trace_sees_every_decode_step(tmp_path):
+    """A trace is read from the routers' forward hooks, which the graph does not run: recording
+    turns it off for the run and back on after."""
+    from expertcache.integrations.record import record
+
+    model = _load(tmp_path, "qwen3_moe", "Q8_0", "F32", baseline="cpu")
+    trace = record(model, torch.tensor(PROMPT), 4)
+    assert trace.experts.shape[1] == len(PROMPT[0]) + 3       # the prompt and the decode steps
+    assert model._expertcache_graph.enabled and model._expertcache_graph.steps == 0
