@@ -233,3 +233,13 @@ def test_recording_a_trace_sees_every_decode_step(tmp_path):
     trace = record(model, torch.tensor(PROMPT), 4)
     assert trace.experts.shape[1] == len(PROMPT[0]) + 3       # the prompt and the decode steps
     assert model._expertcache_graph.enabled and model._expertcache_graph.steps == 0
+
+
+def test_transformers_generate_decodes_through_the_graph(tmp_path):
+    model = _load(tmp_path, "qwen3_moe", "F32", "F32")
+    decoder, outs = model._expertcache_graph, {}
+    for enabled in (False, True):
+        decoder.enabled = enabled
+        with torch.no_grad():
+            outs[enabled] = model.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
+    assert decoder.steps == 7 and torch.equal(outs[False], outs[True])
