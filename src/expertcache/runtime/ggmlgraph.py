@@ -45,7 +45,6 @@ from .threads import ggml_threads
 # the families whose quantized experts reach ggml here (GGUF files transformers 5.24 maps);
 # Mixtral and OLMoE have no GGUF mapping in transformers, so their experts never do
 FAMILIES = {"qwen3_moe", "qwen2_moe"}
-_SUM_BY_ROWS = True          # the experts' weighted sum: one sum_rows (else K - 1 adds)
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
 _ALLOWED_KWARGS = {"input_ids", "past_key_values", "cache", "use_cache", "attention_mask", "position_ids",
                    "cache_position", "logits_to_keep", "return_dict"}
@@ -292,12 +291,8 @@ class _StepGraph:
             up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
         par = g.swiglu_split(gate, up)                                            # silu(gate) * up
         ex = g.mul(g.mul_mat_id(weights[-1], par, sel), w)                        # [H, K, T]
-        if not _SUM_BY_ROWS:  # llama.cpp's way: K - 1 adds of views
-            y = g.view_2d(ex, H, T, gg.nb(ex, 2), 0)
-            for k in range(1, K):
-                y = g.add(y, g.view_2d(ex, H, T, gg.nb(ex, 2), k * gg.nb(ex, 1)))
-            return y                                                              # [H, T]
-        # the sum over ranks as one sum_rows of a [K, H, T] copy: 4 nodes instead of 2K - 1
+        # the sum over ranks as one sum_rows of a [K, H, T] copy (llama.cpp adds K views: more nodes,
+        # each a barrier of the thread pool)
         return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), H, T)  # [H, T]
 
     def run(self, tokens: list[int], start: int) -> torch.Tensor:
