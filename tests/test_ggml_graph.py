@@ -208,3 +208,38 @@ def test_graph_decode_against_llamacpps_logits(tmp_path, family, experts, dense)
     assert model._expertcache_graph.steps == len(tokens) - 1
     logits = torch.stack(rows)                                                  # [T, vocab]
     assert _rel(logits, llama) < LLAMA_TOL[key]
+
+
+def test_a_deep_copy_of_the_cache_holds_its_own_rows(tmp_path):
+    import copy
+
+    model = _load(tmp_path, "qwen3_moe", "F32", "F32")
+    _, _, past, tok = _decode(model, PROMPT, 3)
+    twin = copy.deepcopy(past)
+    assert all(type(layer).__name__ == "DynamicLayer" for layer in twin.layers)
+    assert torch.equal(twin.layers[1].values, past.layers[1].values)
+    assert twin.layers[1].values.data_ptr() != past.layers[1].values.data_ptr()
+    more, logits, _, _ = _decode(model, None, 3, twin, tok)     # the copy decodes on (handed over)
+    again, logits_again, _, _ = _decode(model, None, 3, past, tok)
+    assert more == again and _rel(logits, logits_again) < FLOAT_TOL
+
+
+def test_recording_a_trace_sees_every_decode_step(tmp_path):
+    """A trace is read from the routers' forward hooks, which the graph does not run: recording
+    turns it off for the run and back on after."""
+    from expertcache.integrations.record import record
+
+    model = _load(tmp_path, "qwen3_moe", "Q8_0", "F32", baseline="cpu")
+    trace = record(model, torch.tensor(PROMPT), 4)
+    assert trace.experts.shape[1] == len(PROMPT[0]) + 3       # the prompt and the decode steps
+    assert model._expertcache_graph.enabled and model._expertcache_graph.steps == 0
+
+
+def test_transformers_generate_decodes_through_the_graph(tmp_path):
+    model = _load(tmp_path, "qwen3_moe", "F32", "F32")
+    decoder, outs = model._expertcache_graph, {}
+    for enabled in (False, True):
+        decoder.enabled = enabled
+        with torch.no_grad():
+            outs[enabled] = model.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
+    assert decoder.steps == 7 and torch.equal(outs[False], outs[True])

@@ -51,6 +51,11 @@ def record(model, prompt_ids, max_new_tokens: int, router_logits: bool = False,
     weights: list[list] = [[] for _ in routers]
     logits: list[list | None] = [[] if router_logits else None for _ in routers]
     phases: list[np.ndarray] = []
+    # decode as one ggml graph a token runs no router module: record on the eager path
+    graph = getattr(model, "_expertcache_graph", None)
+    graph_was = graph.enabled if graph is not None else None
+    if graph is not None:
+        graph.enabled = False
     hooks = [r.register_forward_hook(_capture(index[i], weights[i], logits[i]))
              for i, r in enumerate(routers)]
     hooks.append(model.register_forward_pre_hook(_phase_capture(phases), with_kwargs=True))
@@ -61,6 +66,8 @@ def record(model, prompt_ids, max_new_tokens: int, router_logits: bool = False,
     finally:
         for hook in hooks:
             hook.remove()
+        if graph is not None:
+            graph.enabled = graph_was
     ex = np.stack([torch.cat(rows).cpu().numpy() for rows in index]).astype(np.int16)       # [L, T, K]
     wt = np.stack([torch.cat(rows).float().cpu().numpy() for rows in weights]).astype(np.float16)
     lg = (np.stack([torch.cat(rows).float().cpu().numpy() for rows in logits]).astype(np.float16)

@@ -31,6 +31,8 @@ is computed from them); a run with a CPU slot cache keeps the per-layer path.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -43,7 +45,6 @@ from .threads import ggml_threads
 # the families whose quantized experts reach ggml here (GGUF files transformers 5.24 maps);
 # Mixtral and OLMoE have no GGUF mapping in transformers, so their experts never do
 FAMILIES = {"qwen3_moe", "qwen2_moe"}
-_SUM_BY_ROWS = True          # the experts' weighted sum: one sum_rows (else K - 1 adds)
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
 _ALLOWED_KWARGS = {"input_ids", "past_key_values", "cache", "use_cache", "attention_mask", "position_ids",
                    "cache_position", "logits_to_keep", "return_dict"}
@@ -290,12 +291,8 @@ class _StepGraph:
             up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
         par = g.swiglu_split(gate, up)                                            # silu(gate) * up
         ex = g.mul(g.mul_mat_id(weights[-1], par, sel), w)                        # [H, K, T]
-        if not _SUM_BY_ROWS:  # llama.cpp's way: K - 1 adds of views
-            y = g.view_2d(ex, H, T, gg.nb(ex, 2), 0)
-            for k in range(1, K):
-                y = g.add(y, g.view_2d(ex, H, T, gg.nb(ex, 2), k * gg.nb(ex, 1)))
-            return y                                                              # [H, T]
-        # the sum over ranks as one sum_rows of a [K, H, T] copy: 4 nodes instead of 2K - 1
+        # the sum over ranks as one sum_rows of a [K, H, T] copy (llama.cpp adds K views: more nodes,
+        # each a barrier of the thread pool)
         return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), H, T)  # [H, T]
 
     def run(self, tokens: list[int], start: int) -> torch.Tensor:
@@ -322,6 +319,7 @@ class _StepGraph:
 
 
 # -- the decode path ------------------------------------------------------------------
+@lru_cache(maxsize=1)
 def _graph_layer_class():
     """``DynamicLayer`` whose keys and values are the graph's KV rows, made into tensors only
     when something reads them (the eager path, ``get_seq_length`` reads the length alone):
@@ -350,6 +348,16 @@ def _graph_layer_class():
 
         def get_seq_length(self) -> int:
             return self._graph[0].length if self._graph is not None else super().get_seq_length()
+
+        def __deepcopy__(self, memo):
+            """A plain DynamicLayer holding copies of the rows (never a copy of the decoder)."""
+            import copy
+
+            layer = DynamicLayer.__new__(DynamicLayer)
+            state = {k: v for k, v in vars(self).items() if k not in ("_graph", "_keys", "_values")}
+            layer.__dict__.update(copy.deepcopy(state, memo))
+            layer.keys, layer.values = self.keys.clone(), self.values.clone()
+            return layer
 
     return GraphLayer
 
