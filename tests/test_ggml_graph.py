@@ -160,6 +160,9 @@ def test_summary_says_why_the_graph_is_off(tmp_path):
     assert torch_run.expertcache.stats().pool["cpu_graph"] == "off"   # no ggml kernels: never attached
     cpu = expertcache.offload(path, device="cpu", baseline="cpu").expertcache.summary()
     assert cpu["cpu_graph"] == "on"  # every expert computed from the host's bytes, as resident
+    tiered = expertcache.offload(path, device="cpu", baseline="resident", host_memory="tiered",
+                                 host_budget=0.5).expertcache.summary()
+    assert tiered["cpu_graph"] == "off" and "RAM tier holds a share" in tiered["cpu_graph_reason"]
     with pytest.raises(ValueError, match="cpu_graph"):
         expertcache.offload(path, device="cpu", baseline="resident", cpu_graph="on")
 

@@ -104,6 +104,9 @@ class _Spec:
             raise Unsupported("slots cache experts: the graph reads the host's bytes (resident, baseline cpu)")
         if cache.planner is not None:
             raise Unsupported("planner='device'")
+        if getattr(cache, "tier", None) is not None:
+            raise Unsupported("host_memory='tiered': the RAM tier holds a share of the experts, and the "
+                              "graph reads every expert's bytes in place")
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
                 and any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ["sliding"]):
             raise Unsupported("sliding-window attention")
