@@ -68,8 +68,10 @@ def test_the_rehearsal_runs_every_step_and_brings_back_few_files(tmp_path):
     assert 0 < fetch["hit_rate"] < 1 and fetch["h2d_mb_per_token"] > 0
     assert [r["name"] for r in doc["full"]["rows"]][:2] == ["plain transformers, all on the device, B=1", "resident"]
     assert doc["full"]["size"]["layers"] > doc["real"]["size"]["layers"]
-    assert doc["dequant"]["dequant_ms"] > 0 and doc["bench_quantized"]["results"]
-    assert doc["bench_quantized"]["checks"]["ok"]
+    graphs = doc["extra_graphs"]["rows"]            # graphs on and off, each row exact (CPU: compiled whole)
+    assert {r["graphs"] for r in graphs} == {False, True} and all(r["exact"] for r in graphs), graphs
+    assert all(r["graphs_summary"]["breaks"] == 0 for r in graphs if r["graphs"])
+    assert doc["extra_fused"] is not None             # the fused kernel's bench ran (its rows say why not here)
     assert all(d < 1e-4 for d in doc["diag"]["diffs"].values()), doc["diag"]
     assert "tests" in doc["tests"] and "passed" in doc["tests"]["tests"] or "skipped" in doc["tests"]["tests"]
 
