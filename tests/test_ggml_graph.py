@@ -246,3 +246,22 @@ def test_transformers_generate_decodes_through_the_graph(tmp_path):
         with torch.no_grad():
             outs[enabled] = model.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
     assert decoder.steps == 7 and torch.equal(outs[False], outs[True])
+
+
+def test_a_reloaded_library_is_declared_again(tmp_path):
+    """A graph built after ggml's libraries were loaded anew (``_load.cache_clear()``, as a test of
+    the fallback does) declares its functions on the new handles: undeclared, a pointer came back
+    as an int and the next graph crashed the process (seen in the full suite)."""
+    from expertcache.quant import ggmlgraph as graph_mod
+
+    path = write_gguf(tmp_path / "m.gguf", "qwen3_moe", "Q8_0")
+    ids = torch.tensor([[3, 5, 7]])
+    first = expertcache.offload(path, device="cpu", baseline="resident")
+    want = first.generate(ids, max_new_tokens=3, do_sample=False)
+    ggml._load.cache_clear()
+    assert ggml.available()[0]
+    assert graph_mod._declared_for is not ggml._LIBS[0]          # new handles, not yet declared
+    again = expertcache.offload(path, device="cpu", baseline="resident")
+    assert again.expertcache.summary()["cpu_graph"] == "on"
+    assert torch.equal(again.generate(ids, max_new_tokens=3, do_sample=False), want)
+    assert graph_mod._declared_for is ggml._LIBS[0]

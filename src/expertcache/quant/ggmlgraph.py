@@ -22,15 +22,17 @@ ROPE_NEOX = 2           # GGML_ROPE_TYPE_NEOX: rotate halves (transformers' rota
 PREC_F32 = 10           # GGML_PREC_F32
 _GRAPH_NODES = 16384    # ggml_new_graph_custom's size: far above a 100-layer decode step
 
-_declared = False
+_declared_for = None   # the library handle whose functions carry the declarations below
 
 
 def _declare() -> None:
-    """The extra functions a whole graph needs (``quant/ggml.py`` declares the matmul ones)."""
-    global _declared
-    if _declared:
-        return
+    """The extra functions a whole graph needs (``quant/ggml.py`` declares the matmul ones), on
+    the handle loaded now: a reload (``ggml._load.cache_clear()``) makes new handles whose
+    functions default to int results, and a pointer read as an int crashed the process."""
+    global _declared_for
     base, cpu = ggml._LIBS
+    if _declared_for is base:
+        return
     P, T, F, I, I64 = ctypes.c_void_p, ctypes.POINTER(_Tensor), ctypes.c_float, ctypes.c_int, ctypes.c_int64
     S = ctypes.c_size_t
     sigs = [("ggml_new_graph_custom", P, [P, S, ctypes.c_bool]),
@@ -54,7 +56,7 @@ def _declare() -> None:
     for name, restype, argtypes in sigs:
         fn = getattr(base, name)
         fn.restype, fn.argtypes = restype, argtypes
-    _declared = True
+    _declared_for = base
 
 
 class Graph:
