@@ -99,7 +99,7 @@ def test_generate_names_the_planner_and_the_slots_it_got(checkpoint, tmp_path, c
                  "--slots", "100000", "--json", str(js)]) == 0
     printed = capsys.readouterr().out
     assert _summary_line(printed, "planner") == (
-        "planner       host (planner='host': each step's routing is read back and planned at once)")
+        "planner       host (planner='auto': host, decode is not captured here (graphs='auto' on cpu))")
     assert "--slots 100000 asked, 16 used: the model has 16 experts (2 x 8)" in printed
     assert json.loads(js.read_text())["cache"]["config"]["admission"] == "freq"
     # more staging blocks than staging rows: the device planner is refused, and the text says so
@@ -140,7 +140,7 @@ def test_serve_names_the_planner(checkpoint, monkeypatch, capsys):
     monkeypatch.setattr(server, "Server", NoServer)
     assert main(["serve", str(checkpoint), "--port", "0", "--slots", "100000"]) == 0
     printed = capsys.readouterr().out
-    assert "expertcache serve: planner host (planner='host': each step's routing" in printed
+    assert "expertcache serve: planner host (planner='auto': host, decode is not captured" in printed
     assert "expertcache serve: --slots 100000 asked, 16 used" in printed
 
 

@@ -112,8 +112,20 @@ def test_static_cache_as_the_runner_uses_it(qwen):
     assert runner.kv.get_seq_length() == 3 and int(runner.position) == 3
 
 
+def test_planner_auto_takes_the_device_where_decode_is_captured(qwen):
+    """planner='auto' (the default): the device planner where the step is captured, else the host
+    planner, and the summary says which and why."""
+    default = offload(copy.deepcopy(qwen), slots=8).expertcache.summary()  # graphs='auto' on the CPU
+    assert default["planner"] == "host"
+    assert default["planner_reason"].startswith("planner='auto': host, decode is not captured here")
+    captured = offload(copy.deepcopy(qwen), slots=8, graphs="on")
+    summary = captured.expertcache.summary()
+    assert summary["planner"] == "device" and summary["planner_reason"].startswith("planner='auto' (decode captured)")
+    assert captured.expertcache.graphs.reason is None  # capture runs: the planner it needs was chosen
+
+
 def test_eager_fallbacks_say_why(qwen):
-    host = offload(copy.deepcopy(qwen), slots=8, graphs="on")
+    host = offload(copy.deepcopy(qwen), slots=8, graphs="on", planner="host")
     assert "planner='device'" in host.expertcache.summary()["graphs"]["reason"]
     auto = offload(copy.deepcopy(qwen), slots=8, planner="device")  # graphs='auto' on the CPU
     assert "CUDA only" in auto.expertcache.summary()["graphs"]["reason"]

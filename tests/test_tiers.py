@@ -329,6 +329,19 @@ def test_a_model_that_is_not_a_gguf_file_is_refused():
         expertcache.offload(tiny_model("qwen3_moe"), device="cpu", slots=4, host_memory="tiered", host_budget="25%")
 
 
+def test_a_tier_keeps_the_host_planner_and_says_why(model_file):
+    """The device step cannot read the file: planner='device' is refused, and planner='auto' takes
+    the host planner even where decode would be captured (graphs='on')."""
+    for planner, words in (("device", "planner='device' refused, host planner used: "),
+                           ("auto", "planner='auto': host, the device step cannot run: ")):
+        model = expertcache.offload(model_file, device="cpu", slots=8, host_memory="tiered", host_budget=0.5,
+                                    planner=planner, graphs="on")
+        summary = model.expertcache.summary()
+        assert summary["planner"] == "host"
+        assert summary["planner_reason"] == words + ("host_memory='tiered' reads missing experts from the "
+                                                     "file, which the device cannot do")
+
+
 def test_reads_overlap_the_hits_and_the_logits_stay_bit_equal(model_file, monkeypatch):
     """The resident CPU step computes its RAM hits while its misses are read (``_overlapped``); the
     logits equal the all-in-RAM run's bit for bit."""

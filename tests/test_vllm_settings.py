@@ -58,7 +58,8 @@ def test_block_must_be_an_object():
 
 
 def test_planner_key():
-    assert settings(slots=8).planner == "host"
+    assert settings(slots=8).planner == "host" and settings(slots=8).cache.planner == "auto"  # auto: host in vLLM
+    assert settings(slots=8, planner="host").planner == "host"
     assert settings(slots=8, planner="device").planner == "device"
     assert (settings(slots=8, planner="device", lag=2).cache.lag, settings(slots=8).cache.lag) == (2, 1)
     for block, words in (({"slots": 8, "planner": "gpu"}, "expertcache: unknown planner 'gpu'"),

@@ -39,7 +39,9 @@ CPU_GRAPHS = ("auto", "off")  # decode as one ggml graph a token on the CPU (run
 # Who plans a decode step (docs/runtime.md): 'host' reads the routing back and plans each MoE
 # layer's step at once; 'device' looks the experts up on the device, stages its misses itself
 # and runs the policy on the host ``lag`` forwards behind (runtime/devicestep.py, lagged.py).
-PLANNERS = ("host", "device")
+# 'auto' takes 'device' where decode will be captured (CUDA unless graphs='off'; graphs='on'
+# anywhere) and the device step can run, else 'host'; summary()['planner_reason'] says which.
+PLANNERS = ("auto", "host", "device")
 # Decode in captured graphs (runtime/graphs.py): 'on' captures (CUDA graphs; on the CPU the step
 # is compiled whole), 'off' decodes eagerly, 'auto' captures on CUDA only. Capture needs
 # planner='device'; where it cannot run, decode is eager and summary()['graphs'] says why.
@@ -78,7 +80,7 @@ class CacheConfig:
     cpu_graph: str = "auto"             # CPU_GRAPHS: a GGUF decode step as one ggml graph where supported
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
     #                                     (None: measured on this machine at load)
-    planner: str = "host"               # PLANNERS: who plans decode steps
+    planner: str = "auto"               # PLANNERS: who plans decode steps
     lag: int = 1                        # planner='device': forwards the policy's decisions run behind
     staging_blocks: int | None = None   # planner='device': staging rows in blocks, layer l -> block l % n
     #                                     (None: one block per layer, staging default layers x top-k)
@@ -108,10 +110,10 @@ class CacheConfig:
         self._check_tier()
         self._check_choice("cpu_graph", self.cpu_graph, CPU_GRAPHS)
         self._check_choice("planner", self.planner, PLANNERS)
-        if self.planner == "host" and (self.lag != 1 or self.staging_blocks not in (None, 1)):
-            raise ValueError("lag and staging_blocks apply to planner='device' only (the host planner "
-                             "plans each step as it runs, with no lag): set planner='device' or "
-                             "leave them out")
+        if self.planner != "device" and (self.lag != 1 or self.staging_blocks not in (None, 1)):
+            raise ValueError(f"lag and staging_blocks apply to planner='device' only (planner={self.planner!r} "
+                             "may plan each step on the host as it runs, with no lag): set planner='device' "
+                             "or leave them out")
         if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
             raise ValueError(f"lag must be a whole number of forwards >= 1 (planner='device'), got {self.lag!r}")
         self._check_choice("graphs", self.graphs, GRAPH_MODES)

@@ -50,13 +50,16 @@ class Strategy:
         return self.kind if self.slots is None else f"{self.policy} @ {self.slots}"
 
     def config(self, partition: str = "global") -> CacheConfig:
-        """The runtime configuration (belady runs as lru here; the bench swaps in the oracle table)."""
+        """The runtime configuration (belady runs as lru here; the bench swaps in the oracle table).
+        The host planner always: the policy decides each step as it runs, which the oracle table
+        and the simulator's replay assume (planner='auto' would take the lagged device planner
+        on CUDA)."""
         if self.kind in BASELINES:
-            return CacheConfig(baseline=self.kind, partition=partition)
+            return CacheConfig(baseline=self.kind, partition=partition, planner="host")
         if self.kind == OPTIMUM:
-            return CacheConfig(slots=self.slots, eviction="lru", partition=partition)
+            return CacheConfig(slots=self.slots, eviction="lru", partition=partition, planner="host")
         return CacheConfig(slots=self.slots, eviction=self.spec.spec.eviction,
-                           admission=self.spec.spec.admission, partition=partition)
+                           admission=self.spec.spec.admission, partition=partition, planner="host")
 
     @property
     def sim_policy(self) -> ReplayPolicy:

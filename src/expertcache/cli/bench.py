@@ -84,7 +84,7 @@ def run(args) -> int:
     return 0 if doc["checks"]["ok"] else 1  # a bench whose figures do not add up must not pass
 
 
-# The bench's cache strategies run the runtime's default planner (bench/strategies.py configs).
+# The bench's cache strategies run the host planner (bench/strategies.py configs).
 PLANNER = ("host (each step's routing is read back and planned at once, as generate --planner host "
            "runs; the bench does not time planner 'device': run generate --planner device for it)")
 

@@ -47,10 +47,10 @@ def add_cache_options(p) -> None:
                    "experts are placed before the first token (docs/imatrix.md)")
     p.add_argument("--imatrix-mode", default="pin", choices=IMATRIX_MODES,
                    help="pin: never evicted, at most half the cache; seed: preloaded, evictable")
-    p.add_argument("--planner", default="host", choices=PLANNERS,
-                   help="who plans decode steps: host (routing read back per MoE layer) or device "
+    p.add_argument("--planner", default="auto", choices=PLANNERS,
+                   help="who plans decode steps: host (routing read back per MoE layer), device "
                         "(lookup and staging on the device, the policy --lag forwards behind; "
-                        "docs/runtime.md)")
+                        "docs/runtime.md) or auto (device where decode is captured in graphs: CUDA)")
     p.add_argument("--lag", type=int, help="--planner device: forwards the policy runs behind (default 1)")
     p.add_argument("--staging-blocks", type=int, default=None,
                    help="--planner device: staging rows in this many blocks, layer l staging into block "

@@ -36,9 +36,10 @@ def offload(model_or_path, *, config: CacheConfig | None = None, **settings):
     ``slot_format`` ('auto', 'quantized', 'dequantized') and ``host_memory`` ('auto', 'copy',
     'mmap') for quantized experts, ``cpu_kernel`` ('auto', 'ggml', 'torch': how quantized experts
     computed on the CPU do their math, docs/cpu.md), ``hardware`` (a preset or probe profile) for the cost
-    model of ``miss='auto'``, ``planner`` ('host', or 'device': decode steps on the device, the
-    policy ``lag`` forwards behind, staging rows in ``staging_blocks`` blocks, by default one
-    per layer; docs/runtime.md), ``graphs`` ('auto', 'on', 'off': decode replayed from a
+    model of ``miss='auto'``, ``planner`` ('auto', the default: 'device' where decode is captured in
+    graphs, else 'host'; 'host'; or 'device': decode steps on the device, the policy ``lag``
+    forwards behind, staging rows in ``staging_blocks`` blocks, by default one per layer;
+    docs/runtime.md), ``graphs`` ('auto', 'on', 'off': decode replayed from a
     captured step with the device planner, ``model.expertcache.graphs``; 'auto' on CUDA).
     ``model.expertcache`` then exposes ``stats()``, ``reset_stats()``, ``slot_bytes``, ``config``.
     """

@@ -43,15 +43,26 @@ def settings_refusal(cache) -> str | None:
     return None
 
 
-def device_planner_refusal(cache) -> str | None:
-    """Why ``cache`` cannot run the device planner, or None when it can."""
+def host_refusal(cache) -> str | None:
+    """Why ``cache``'s settings and host experts rule the device planner out (before the pool
+    exists: what ``planner='auto'`` decides on), or None."""
+    if cache.tier is not None:
+        return "host_memory='tiered' reads missing experts from the file, which the device cannot do"
     refusal = settings_refusal(cache)
     if refusal is not None:
         return refusal
-    pool = cache.pool
-    if pool.cuda and not all(t.is_pinned() for h in cache.hosts for t in h.tensors.values()):
+    if cache.device.type == "cuda" and not all(t.is_pinned() for h in cache.hosts for t in h.tensors.values()):
         return (f"host experts in {cache.hosts[0].mode!r} memory are not pinned; the device step reads "
                 "pinned memory in place (give host_memory='copy')")
+    return None
+
+
+def device_planner_refusal(cache) -> str | None:
+    """Why ``cache`` cannot run the device planner, or None when it can."""
+    refusal = host_refusal(cache)
+    if refusal is not None:
+        return refusal
+    pool = cache.pool
     if pool.staging == 0 and pool.slots != cache.num_layers * cache.num_experts:
         return "the pool has no staging rows and not every expert has a slot"
     if pool.staging and pool.staging < cache.staging_blocks:

@@ -50,6 +50,8 @@ class ExpertCache:
         self.host_resident = self.direct and run.baseline == "resident"
         self.miss, self.hardware = run.miss, hardware or PRESETS[DEFAULT]
         self.cost = self._expert_cost(hosts[0])
+        # 'host' or 'device', resolved once ('auto': device where decode is captured)
+        self.planner_mode, self._planner_auto = self._planner_mode(config)
         # what the pool's slots, staging and scratch take: the same object plan sizes with
         staging, self.staging_blocks = self._staging(config, run)
         self.sizing = PoolSizing(self.cost, self.slot_format, top_k, staging, self.direct)
@@ -86,25 +88,41 @@ class ExpertCache:
         rows = staging_slots(run.miss, run.staging, self.top_k)
         if config.staging_blocks is not None:
             return rows, config.staging_blocks
-        if config.planner != "device" or run.admission.name == "never" or not rows:
+        if self.planner_mode != "device" or run.admission.name == "never" or not rows:
             return rows, 1
         from .devicepath import settings_refusal
         if settings_refusal(self) is not None:  # the host planner runs: no per-layer rows
             return rows, 1
         return rows * self.num_layers, self.num_layers
 
+    def _planner_mode(self, config: CacheConfig) -> tuple[str, str | None]:
+        """('host' | 'device', why 'auto' chose it or None). 'auto' takes the device planner
+        where decode will be captured in graphs (CUDA unless graphs='off'; graphs='on' on the
+        CPU): capture needs it, and a captured step is where it pays."""
+        if config.planner != "auto":
+            return config.planner, None
+        captured = config.graphs == "on" or (config.graphs == "auto" and self.device.type == "cuda")
+        if not captured:
+            return "host", (f"planner='auto': host, decode is not captured here (graphs={config.graphs!r} "
+                            f"on {self.device.type})")
+        from .devicepath import host_refusal
+        refusal = host_refusal(self)
+        if refusal is not None:
+            return "host", f"planner='auto': host, the device step cannot run: {refusal}"
+        return "device", None
+
     def _planner(self, config: CacheConfig):
         """(the ``DevicePlanner`` or None, why this planner): runtime/devicepath.py."""
-        if config.planner == "host":
-            return None, "planner='host': each step's routing is read back and planned at once"
-        if self.tier is not None:
-            return None, ("planner='device' refused, host planner used: host_memory='tiered' reads "
-                          "missing experts from the file, which the device cannot do")
+        if self.planner_mode == "host":
+            return None, self._planner_auto or "planner='host': each step's routing is read back and planned at once"
         from .devicepath import DevicePlanner, device_planner_refusal
         refusal = device_planner_refusal(self)
         if refusal is not None:
+            if config.planner == "auto":
+                return None, f"planner='auto': host, the device step cannot run: {refusal}"
             return None, f"planner='device' refused, host planner used: {refusal}"
-        why = f"planner='device': decode steps on the device, the policy {config.lag} forward(s) behind"
+        how = "planner='auto' (decode captured): device" if config.planner == "auto" else "planner='device'"
+        why = f"{how}: decode steps on the device, the policy {config.lag} forward(s) behind"
         return DevicePlanner(self, config.lag, self.staging_blocks), why
 
     def _cpu_kernel(self, choice: str) -> tuple[str, str]:

@@ -66,12 +66,12 @@ class DecodeGraphs:
         cache = self.cache
         if self.mode == "off":
             return "graphs='off': decode runs eagerly"
+        if self.mode == "auto" and cache.device.type != "cuda":
+            return "graphs='auto' captures on CUDA only; on the CPU give graphs='on' (the step compiled whole)"
         if cache.planner is None and cache.config.planner == "host":
             return "capture needs planner='device' (the host planner reads each step's routing back)"
         if cache.planner is None:
             return f"capture needs the device planner; {cache.planner_reason}"
-        if self.mode == "auto" and cache.device.type != "cuda":
-            return "graphs='auto' captures on CUDA only; on the CPU give graphs='on' (the step compiled whole)"
         return None
 
     @property

@@ -2,8 +2,8 @@
 
 Keys are ``offload()``'s names: ``slots`` or ``gpu_memory``, ``eviction`` (CLI syntax,
 ``"slru:protected=0.5"``, or a whole spec ``"lru+second-hit"``), ``admission``,
-``partition``, ``staging``, ``imatrix``, ``imatrix_mode``, ``planner`` (``"host"``: plan
-each layer step on the host; ``"device"``: the step runs on the device and the policy
+``partition``, ``staging``, ``imatrix``, ``imatrix_mode``, ``planner`` (``"host"``, which
+``"auto"``, the default, means here: plan each layer step on the host; ``"device"``: the step runs on the device and the policy
 ``lag`` engine steps behind, docs/vllm.md) and ``lag``; plus the plug-in's own
 ``stats_path``, ``stats_every`` and ``record_trace``. Everything goes through
 ``CacheConfig`` (the same checks as ``offload()`` and the CLI) before vLLM loads a
@@ -34,7 +34,9 @@ class Settings:
 
     @property
     def planner(self) -> str:
-        return self.cache.planner
+        """'host' or 'device'. 'auto' (the default) is the host planner here: vLLM captures its own
+        graphs, and the host planner's piecewise mode is the one measured; 'device' is asked for."""
+        return "host" if self.cache.planner == "auto" else self.cache.planner
 
 
 def from_additional_config(additional: object) -> Settings | None:
