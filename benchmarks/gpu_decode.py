@@ -263,6 +263,7 @@ class Bench:
 def row_settings(settings: dict, total: int) -> dict:
     settings = dict(settings)
     settings.pop("batch", None)
+    settings.setdefault("planner", "host")  # a row without one is the host planner's (not 'auto')
     if "fraction" in settings:
         settings["slots"] = int(settings.pop("fraction") * total)
     return settings
