@@ -28,6 +28,7 @@ from pathlib import Path
 # (label, offload settings); 'slots' as a share of all experts is filled in per model
 CONFIGS = [
     ("resident, ggml graph", dict(baseline="resident", cpu_kernel="ggml")),
+    ("resident, ggml graph, in place", dict(baseline="resident", cpu_kernel="ggml", cpu_repack="off")),
     ("resident, ggml per layer", dict(baseline="resident", cpu_kernel="ggml", cpu_graph="off")),
     ("resident, torch", dict(baseline="resident", cpu_kernel="torch")),
     ("baseline cpu (ggml)", dict(baseline="cpu")),
@@ -68,6 +69,7 @@ def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
     graph = getattr(m, "_expertcache_graph", None)
     return {"tok_s": tokens / decode_s, "load_s": load_s, "cpu_kernel": pool["cpu_kernel"],
             "cpu_graph": pool["cpu_graph"], "graph_steps": graph.steps if graph else 0,
+            "repacked_bytes": graph.repacked.bytes if graph and graph.repacked else 0,
             "kv_bytes": graph.kv_bytes() if graph else None,
             "memory_after_load": loaded, "memory_at_end": memory(),
             "dense_kernel": pool["dense_kernel"],

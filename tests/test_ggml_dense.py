@@ -50,7 +50,9 @@ def test_dense_ggml_matches_llamacpp_and_the_exact_path(tmp_path, family, expert
     llama, ids = torch.from_numpy(ref[f"{key}_logits"]), torch.from_numpy(ref["tokens"]).unsqueeze(0)
     logits, models = {}, {}
     for kernel in ("torch", "ggml"):
-        models[kernel] = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel=kernel)
+        # the per-layer path's linears (the one-graph forward: test_ggml_graph.py)
+        models[kernel] = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel=kernel,
+                                             cpu_graph="off")
         with torch.no_grad():
             logits[kernel] = models[kernel](ids).logits[0]                            # [T, vocab]
     fast, exact = logits["ggml"], logits["torch"]

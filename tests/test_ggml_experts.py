@@ -33,9 +33,13 @@ pytestmark = pytest.mark.skipif(not ggml.available()[0], reason=f"ggml kernels: 
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4"]
 MATMUL_TOL, LOGIT_TOL, TOP1 = 0.015, 0.20, 0.90
 # every CPU way of computing experts: (label, offload settings)
-CPU_RUNS = [("resident", dict(baseline="resident")), ("baseline cpu", dict(baseline="cpu")),
+GRAPH = "resident, one graph"
+# the per-layer path's ways (cpu_graph='off': resident and baseline cpu would run the one-graph
+# forward, tests/test_ggml_graph.py), then the graph, held to the tolerance against exact only
+CPU_RUNS = [("resident", dict(baseline="resident", cpu_graph="off")),
+            ("baseline cpu", dict(baseline="cpu", cpu_graph="off")),
             ("cpu slots, fetch", dict(slots=5)), ("cpu slots, miss cpu", dict(slots=5, miss="cpu")),
-            ("cpu slots, miss auto", dict(slots=5, miss="auto"))]
+            ("cpu slots, miss auto", dict(slots=5, miss="auto")), (GRAPH, dict(baseline="resident"))]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -110,6 +114,8 @@ def test_every_cpu_path_runs_ggml_within_the_tolerance(tmp_path, family, name):
         assert "libggml-python" in pool["cpu_kernel_reason"]
         assert _rel(fast, exact) < LOGIT_TOL, label
         assert (fast.argmax(-1) == exact.argmax(-1)).float().mean() >= TOP1, label
+        if label == GRAPH:  # another summation order (and repacked weights): the tolerance above
+            continue
         if first is None:
             first = fast
             assert pool["host_resident"] and cache.pool.slots == 0 and cache.slot_bytes == 0
@@ -135,8 +141,8 @@ def test_steps_wholly_on_the_host_take_the_routed_pass(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cpukernel.GgmlExperts, "routed", count("routed", routed))
     monkeypatch.setattr(experts, "ggml_experts", count("pairs", pairs))
-    for settings, per_pair in [(dict(baseline="resident"), False), (dict(baseline="cpu"), False),
-                               (dict(slots=5, miss="cpu"), True)]:
+    for settings, per_pair in [(dict(baseline="resident", cpu_graph="off"), False),
+                               (dict(baseline="cpu", cpu_graph="off"), False), (dict(slots=5, miss="cpu"), True)]:
         model = expertcache.offload(path, device="cpu", cpu_kernel="ggml", **settings)
         calls.update(routed=0, pairs=0)
         with torch.no_grad():
@@ -221,7 +227,7 @@ def test_ggml_is_at_least_as_close_to_llamacpp_as_the_exact_path(tmp_path, name)
     llama, ids = torch.from_numpy(ref[f"{name}_logits"]), torch.from_numpy(ref["tokens"]).unsqueeze(0)
     dist = {}
     for kernel in ("torch", "ggml"):
-        model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel=kernel)
+        model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel=kernel, cpu_graph="off")
         with torch.no_grad():
             dist[kernel] = _rel(model(ids).logits[0], llama)
     assert dist["ggml"] <= dist["torch"], dist

@@ -38,7 +38,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _decode(model, prompt, steps: int, past=None, first=None, forced=None):
-    """Greedy tokens and each step's logits [steps, V] after a prompt (eager prefill); with
+    """Greedy tokens and each step's logits [steps, V] after a prompt; with
     ``forced``, step i is fed forced[i - 1] instead of its own choice (teacher forcing)."""
     tokens, logits = [], []
     with torch.no_grad():
@@ -145,9 +145,39 @@ def test_forwards_the_graph_does_not_take_run_eagerly(tmp_path):
         model(torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True,
               attention_mask=torch.tensor([[0] + [1] * len(PROMPT[0])]))     # padding
     model(torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)  # gradients on
-    assert decoder.steps == 0
-    assert set(decoder.eager_calls) == {"not one token of one sequence", "an attention mask with padding",
+    assert decoder.steps == 0 and decoder.prefills == 1                       # the prompt ran as a graph
+    assert set(decoder.eager_calls) == {"not one sequence of token ids", "an attention mask with padding",
                                         "gradients enabled"}
+
+
+def test_a_prompt_runs_in_chunks_and_equals_the_eager_path(tmp_path, monkeypatch):
+    """A prompt longer than a chunk (4 tokens here) runs as graphs of 4, 4 and 2 tokens, each
+    keeping one row of logits (the last one's: the logits asked for): its logits and KV rows equal the eager path's; the
+    routing is counted once per layer for the whole prompt, as eagerly. All the logits of a
+    prompt over a chunk are the eager path's to give."""
+    monkeypatch.setattr(ggmlgraph, "_CHUNK", 4)
+    model = _load(tmp_path, "qwen3_moe", "F32", "F32")
+    decoder, prompt = model._expertcache_graph, torch.arange(100, 110).view(1, 10)
+    outs, counts = {}, {}
+    for enabled in (False, True):
+        decoder.enabled = enabled
+        model.expertcache.reset_stats()
+        with torch.no_grad():
+            outs[enabled] = model(prompt, use_cache=True, logits_to_keep=1)
+        counts[enabled] = model.expertcache.stats().sums(0)
+    assert decoder.prefills == 1 and {k[:2] for k in decoder.graphs} == {(4, 1), (2, 1)}  # (tokens, logits kept)
+    assert outs[True].logits.shape == (1, 1, outs[False].logits.shape[-1])
+    assert _rel(outs[True].logits, outs[False].logits) < FLOAT_TOL
+    for mine, ref in zip(outs[True].past_key_values.layers, outs[False].past_key_values.layers):
+        assert mine.keys.shape == ref.keys.shape and mine.keys.shape[2] == 10 and _rel(mine.keys, ref.keys) < FLOAT_TOL
+    assert counts[True]["accesses"] == counts[False]["accesses"] > 0
+    with torch.no_grad():
+        model(prompt, use_cache=True)                                       # every position's logits
+    assert decoder.eager_calls["logits of more than the last chunk of a prompt over 4 tokens"] == 1
+    with torch.no_grad():
+        tokens = {e: (setattr(decoder, "enabled", e), model.generate(prompt, max_new_tokens=6, do_sample=False))[1]
+                  for e in (False, True)}
+    assert torch.equal(tokens[True], tokens[False])
 
 
 def test_summary_says_why_the_graph_is_off(tmp_path):

@@ -35,6 +35,7 @@ HOST_MEMORY = ("auto", "copy", "mmap", "tiered")
 # activations quantized to 8 bits, docs/cpu.md), 'torch' dequantizes then matmuls (exact),
 # 'auto' takes ggml where libggml-python is installed and the expert type has a kernel.
 CPU_KERNELS = ("auto", "ggml", "torch")
+CPU_REPACKS = ("auto", "off")  # the graph's weights repacked for ggml's faster CPU kernels (llama.cpp's default)
 CPU_GRAPHS = ("auto", "off")  # decode as one ggml graph a token on the CPU (runtime/ggmlgraph.py)
 # Who plans a decode step (docs/runtime.md): 'host' reads the routing back and plans each MoE
 # layer's step at once; 'device' looks the experts up on the device, stages its misses itself
@@ -78,6 +79,8 @@ class CacheConfig:
     host_memory: str = "auto"
     cpu_kernel: str = "auto"            # quantized experts on the CPU: CPU_KERNELS
     cpu_graph: str = "auto"             # CPU_GRAPHS: a GGUF decode step as one ggml graph where supported
+    cpu_repack: str = "auto"            # CPU_REPACKS: with the graph, quantized weights repacked at load while
+    #                                     they take under half the free RAM (else read in place)
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
     #                                     (None: measured on this machine at load)
     planner: str = "auto"               # PLANNERS: who plans decode steps
@@ -109,6 +112,7 @@ class CacheConfig:
         self._check_choice("cpu_kernel", self.cpu_kernel, CPU_KERNELS)
         self._check_tier()
         self._check_choice("cpu_graph", self.cpu_graph, CPU_GRAPHS)
+        self._check_choice("cpu_repack", self.cpu_repack, CPU_REPACKS)
         self._check_choice("planner", self.planner, PLANNERS)
         if self.planner != "device" and (self.lag != 1 or self.staging_blocks not in (None, 1)):
             raise ValueError(f"lag and staging_blocks apply to planner='device' only (planner={self.planner!r} "

@@ -44,6 +44,7 @@ _SPELLING = [
     (re.compile(r"\bslot_format='(\S+)'"), r"--slot-format \1"),
     (re.compile(r"\bcpu_kernel='(\S+)'"), r"--cpu-kernel \1"),
     (re.compile(r"\bcpu_graph='(\S+)'"), r"--cpu-graph \1"),
+    (re.compile(r"\bcpu_repack='(\S+)'"), r"--cpu-repack \1"),
     (re.compile(r"^(slots|staging|port) must\b"), r"--\1 must"),
     (re.compile(r"^(max_body_bytes|max_tokens|max_queue|max_prompt_tokens) must\b"),
      lambda m: "--" + m.group(1).replace("_", "-") + " must"),

@@ -7,7 +7,7 @@ POLICY_HELP = ("EVICTION[:KEY=VALUE...][+ADMISSION[:KEY=VALUE...]], e.g. default
 
 
 def add_cache_options(p) -> None:
-    from ..config import (BASELINES, CPU_GRAPHS, CPU_KERNELS, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS,
+    from ..config import (BASELINES, CPU_GRAPHS, CPU_KERNELS, CPU_REPACKS, DTYPES, HOST_MEMORY, IMATRIX_MODES, MISS_PATHS,
                           PARTITIONS, PLANNERS, SLOT_FORMATS, GRAPH_MODES)
 
     size = p.add_mutually_exclusive_group()
@@ -33,6 +33,10 @@ def add_cache_options(p) -> None:
                    help="a GGUF decode step on the CPU with ggml as one ggml graph a token (Qwen3-MoE, "
                         "Qwen2-MoE; resident or baseline cpu), or off: per-layer ggml and torch ops "
                         "(docs/cpu.md)")
+    p.add_argument("--cpu-repack", default="auto", choices=CPU_REPACKS,
+                   help="with --cpu-graph: quantized weights repacked at load for ggml's faster CPU kernels "
+                        "(llama.cpp's default) while they take under half the free RAM, the file's pages "
+                        "released; off: read in place from the file (docs/cpu.md)")
     p.add_argument("--host-memory", default="auto", choices=HOST_MEMORY,
                    help="quantized experts on the host: a copy in RAM (pinned with CUDA), the "
                         "memory-mapped file, auto (a pinned copy when it fits, else the file), or tiered "
@@ -75,7 +79,7 @@ def cache_config(args):
                        device=args.device, dtype=args.dtype, imatrix=args.imatrix,
                        imatrix_mode=args.imatrix_mode, slot_format=args.slot_format,
                        host_memory=args.host_memory, cpu_kernel=args.cpu_kernel,
-                       cpu_graph=args.cpu_graph, hardware=args.hardware,
+                       cpu_graph=args.cpu_graph, cpu_repack=args.cpu_repack, hardware=args.hardware,
                        host_budget=_budget(args.host_budget), host_policy=args.host_policy,
                        planner=args.planner, lag=1 if args.lag is None else args.lag,
                        staging_blocks=args.staging_blocks, graphs=args.graphs)

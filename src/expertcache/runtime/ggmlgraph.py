@@ -1,4 +1,4 @@
-"""CPU decode as one ggml graph a token (issue 32): llama.cpp's way, on the model we loaded.
+"""CPU decode as one ggml graph a forward (issue 32): llama.cpp's way, on the model we loaded.
 
 A GGUF model on the CPU with ggml already computes its experts and dense weights with ggml's
 kernels on the mapped file (``cpukernel.py``, ``cpudense.py``), but each token still walks
@@ -11,16 +11,20 @@ normalised as the family does), the experts through ``mul_mat_id`` on the host's
 bytes, shared experts, the final norm and the lm_head. Python fills four small inputs (token,
 position, write row, one mask cell) and runs the graph: one call a token.
 
-Every weight is read where the loaded model keeps it (the mapped file's bytes for quantized
-tensors, transformers' float32 parameters for F32 norms and routers): nothing is copied.
+Prompts of one sequence run through the graph too, in chunks of at most ``_CHUNK`` tokens
+(graphs per chunk length), keeping only the logits asked for (``logits_to_keep``).
+
+Quantized weights are repacked at load for ggml's faster CPU kernels where ggml can
+(``cpu_repack``, quant/ggmlrepack.py: llama.cpp's default, the file's pages then released);
+the rest is read where the loaded model keeps it (the mapped file's bytes for quantized
+tensors, transformers' float32 parameters for F32 norms and routers).
 The graph follows transformers' conventions (its weights, rotate-half RoPE), so it computes
 what the eager path computes, with ggml's arithmetic.
 
 The KV cache: per layer one float32 buffer ``[capacity, kv_heads * head_dim]`` (a row a
 token, llama.cpp's layout), grown by doubling. The caller's ``DynamicCache`` keeps working:
-after each step its layers hold views of these buffers; a prefill run by the eager path (or
-any other step it ran) is copied in before the next graph step (the hand-over). Prefill stays
-on the eager path (its experts and linears are ggml's already).
+after each step its layers hold views of these buffers; rows written by the eager path (any
+forward the graph does not take) are copied in before the next graph step (the hand-over).
 
 Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases); others (GPT-OSS: sinks,
 sliding windows, YaRN, a clamped gate, expert biases) keep the eager path and ``support()``
@@ -38,7 +42,7 @@ import torch
 
 from ..quant import ggmlgraph as gg
 from ..quant.ggmlgraph import GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, GGML_TYPE_I64
-from ..stats import DECODE
+from ..stats import DECODE, PREFILL
 from .cpudense import GgmlEmbedding, GgmlLinear
 from .threads import ggml_threads
 
@@ -46,6 +50,8 @@ from .threads import ggml_threads
 # Mixtral and OLMoE have no GGUF mapping in transformers, so their experts never do
 FAMILIES = {"qwen3_moe", "qwen2_moe"}
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
+_CHUNK = 256                 # a prompt runs in graphs of at most this many tokens
+_PROMPT_GRAPHS = 3           # graphs for multi-token forwards kept (a graph per length)
 _ALLOWED_KWARGS = {"input_ids", "past_key_values", "cache", "use_cache", "attention_mask", "position_ids",
                    "cache_position", "logits_to_keep", "return_dict"}
 _FALSE_KWARGS = {"output_attentions", "output_hidden_states", "output_router_logits"}
@@ -196,9 +202,11 @@ class _StepGraph:
     """One decode step's graph for ``tokens`` new tokens over a KV cache of ``capacity`` rows."""
 
     def __init__(self, spec: _Spec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int,
-                 n_threads: int) -> None:
+                 n_threads: int, repacked=None, keep: int = 0) -> None:
         # T tokens, C cache rows, H hidden, D head dim, N heads, M kv heads, E experts, K top-k, V vocab
         self.spec, self.tokens, self.capacity = spec, tokens, kv[0][0].shape[0]
+        self.keep = keep or tokens  # logits of the last ``keep`` tokens (a prefill needs the last one)
+        self.repacked = repacked   # quant.ggmlrepack.Repacked or None: weights ggml reads repacked
         # headers: about 60 ops a layer and 2 per top-k rank (the sum over ranks), counted twice
         g = self.g = gg.Graph((160 + 4 * 64) * len(spec.layers) + 256)
         T, C = tokens, self.capacity
@@ -210,9 +218,11 @@ class _StepGraph:
         x = g.get_rows(g.leaf(spec.embed[0], spec.embed[1], spec.embed[2]), self.tok)   # [H, T]
         for layer, (k_buf, v_buf) in zip(spec.layers, kv):
             x = self._layer(layer, x, k_buf, v_buf)
+        if self.keep < T:                                                          # [H, keep]
+            x = g.view_2d(x, spec.hidden, self.keep, gg.nb(x, 1), (T - self.keep) * gg.nb(x, 1))
         w, eps = spec.final_norm
         x = g.mul(g.rms_norm(x, eps), self._vec(w))
-        self.logits = self._mm(spec.lm_head, x)                                  # [V, T]
+        self.logits = self._mm(spec.lm_head, x)                                  # [V, keep]
         # the top-k ids are a view of the sorted [E, T]: that whole tensor stays readable
         sorted_ = [gg.view_src(t) for t in self.ids]
         self.work_bytes = g.finish([self.logits, *sorted_], n_threads)
@@ -226,9 +236,14 @@ class _StepGraph:
     def _vec(self, t: torch.Tensor):
         return self.g.leaf(GGML_TYPE_F32, (t.numel(),), t.data_ptr())
 
+    def _weight(self, ggml_type: int, ne: tuple[int, ...], ptr: int, stride: int | None = None):
+        """A weight as the graph reads it: its repacked copy where there is one, else in place."""
+        t = None if self.repacked is None else self.repacked.tensor(ggml_type, ne, ptr, stride)
+        return self.g.leaf(ggml_type, ne, ptr, stride=stride) if t is None else t
+
     def _mm(self, lin, x):
         ggml_type, ne, ptr, bias = lin
-        y = self.g.mul_mat(self.g.leaf(ggml_type, ne, ptr), x)
+        y = self.g.mul_mat(self._weight(ggml_type, ne, ptr), x)
         return y if bias is None else self.g.add(y, self._vec(_vector(bias)))
 
     def _norm(self, x, norm):
@@ -283,7 +298,7 @@ class _StepGraph:
             w2 = g.reshape_2d(w, K, T)
             w = g.reshape_3d(g.div(w2, g.sum_rows(w2)), 1, K, T)
         hx = g.reshape_3d(h, H, 1, T)
-        weights = [g.leaf(t, (cols, rows, data.shape[0]), data.data_ptr(), stride=data.stride(0))
+        weights = [self._weight(t, (cols, rows, data.shape[0]), data.data_ptr(), data.stride(0))
                    for t, rows, cols, data in moe["experts"]]                    # [cols, rows, E]
         if len(weights) == 3:   # gate, up, down
             gate, up = g.mul_mat_id(weights[0], hx, sel), g.mul_mat_id(weights[1], hx, sel)   # [I, K, T]
@@ -299,19 +314,18 @@ class _StepGraph:
         return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), H, T)  # [H, T]
 
     def run(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Logits [T, V] for ``tokens`` at positions start.. (their KV rows written too): each
-        token attends to the rows before it and itself (causal)."""
+        """Logits [keep, V] of the last ``keep`` of ``tokens`` at positions start.. (every
+        token's KV rows written): each token attends to the rows before it and itself (causal)."""
         T = self.tokens
         self._tok[:] = tokens
         self._pos[:] = self._rows[:] = range(start, start + T)
         if T == 1 and start == self._filled:   # the next decode token: one more cell to see
             self._mask[0, start] = 0
-        else:
-            self._mask[:] = -np.inf
-            for t in range(T):
-                self._mask[t, :start + t + 1] = 0
+        else:                                   # [T, C]: row t sees cells 0 .. start + t
+            seen = np.arange(self.capacity)[None, :] <= start + np.arange(T)[:, None]
+            self._mask[:] = np.where(seen, 0, -np.inf)
         self._filled = start + 1 if T == 1 else -1
-        out = torch.empty(T, self.spec.vocab)                                     # [T, V]
+        out = torch.empty(self.keep, self.spec.vocab)                             # [keep, V]
         self.logits.contents.data = out.data_ptr()
         self.g.run()
         return out
@@ -381,10 +395,13 @@ class GraphDecoder:
         self.owner = None                    # weakref to the DynamicCache whose layers read the buffers
         self.length = 0                      # rows of the owner's cache in the buffers
         self.steps = 0                       # tokens decoded by the graph
+        self.prefills = 0                    # other forwards run by the graph: prompts, several tokens
+        self.config = model.config
         self.eager_calls: dict[str, int] = {}  # why forwards went eager
         self.enabled = True
         self._layer_types = (DynamicLayer, _graph_layer_class())
         self._moe_layers = [L["moe"]["index"] for L in self.spec.layers if "moe" in L]
+        self.repacked, self.repack_reason = _repack(self.spec, cache.config.cpu_repack)
 
     @property
     def capacity(self) -> int:
@@ -405,13 +422,18 @@ class GraphDecoder:
             return self.eager(*args, **kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         past = _past(kwargs)
+        if past is None:   # a prompt without a cache: the one transformers would make
+            from transformers.cache_utils import DynamicCache
+            past = DynamicCache(config=self.config)
         n, T = past.get_seq_length(), ids.shape[1]
         self._hand_over(past, n, T)
-        logits = self._graph(T).run(ids[0].tolist(), n)                        # [T, V]
+        logits = self._run(ids[0].tolist(), n, kwargs.get("logits_to_keep") or 0)   # [keep, V]
         self.length = n + T
-        self._count(self.graphs[(T, self.capacity)])
-        self.steps += T
-        logits = logits.view(1, T, -1)
+        if T == 1 and n:
+            self.steps += 1
+        else:
+            self.prefills += 1
+        logits = logits.view(1, logits.shape[0], -1)
         if kwargs.get("return_dict") is False:
             return logits, past
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -425,20 +447,18 @@ class GraphDecoder:
                                 for k, v in kwargs.items()):
             return "arguments the graph does not take"
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] != 1:
-            return "not one token of one sequence"
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+            return "not one sequence of token ids"
         if torch.is_grad_enabled():
             return "gradients enabled"
         if kwargs.get("use_cache") is False:
             return "use_cache=False"
         past = _past(kwargs)
         from transformers.cache_utils import DynamicCache
-        if not isinstance(past, DynamicCache) or len(past.layers) != len(self.spec.layers) \
-                or any(type(layer) not in self._layer_types for layer in past.layers):
+        if past is not None and (not isinstance(past, DynamicCache) or len(past.layers) != len(self.spec.layers)
+                                 or any(type(layer) not in self._layer_types for layer in past.layers)):
             return "no DynamicCache of full-attention layers"
-        n = past.get_seq_length()
-        if n == 0:
-            return "an empty cache (prefill)"
+        n = 0 if past is None else past.get_seq_length()
         T = ids.shape[1]
         mask = kwargs.get("attention_mask")
         if mask is not None and (mask.shape != (1, n + T) or not bool(mask.all())):
@@ -448,9 +468,11 @@ class GraphDecoder:
             if given is not None and given.reshape(-1).tolist() != list(range(n, n + T)):
                 return f"{name} other than the next positions"
         keep = kwargs.get("logits_to_keep", 0)
-        if not isinstance(keep, int) or keep not in (0, T):
-            return "logits_to_keep"
-        if not self._in_sync(past) and past.layers[0].keys.dtype != torch.float32:
+        if not isinstance(keep, int) or not 0 <= keep <= T:
+            return "logits_to_keep other than a count of last tokens"
+        if T > _CHUNK and not 0 < keep <= T % _CHUNK + (_CHUNK if T % _CHUNK == 0 else 0):
+            return f"logits of more than the last chunk of a prompt over {_CHUNK} tokens"
+        if n and not self._in_sync(past) and past.layers[0].keys.dtype != torch.float32:
             return "a cache not in float32"
         return None
 
@@ -477,7 +499,7 @@ class GraphDecoder:
             # empty: rows past the cache's length are masked, and ggml skips masked rows
             self.kv = [(torch.empty(cap, M * D), torch.empty(cap, M * D)) for _ in self.spec.layers]
             self.graphs.clear()
-        for (keys, values), (kb, vb) in zip(rows, self.kv):                       # -> [n, M*D]
+        for (keys, values), (kb, vb) in zip(rows, self.kv) if n else ():         # -> [n, M*D]
             kb[:n].view(n, M, D).copy_(keys[0].transpose(0, 1))
             vb[:n].view(n, M, D).copy_(values[0].transpose(0, 1))
         del rows
@@ -487,6 +509,7 @@ class GraphDecoder:
             layer.__dict__.pop("_keys", None), layer.__dict__.pop("_values", None)
             layer.__class__ = graph_layer
             layer._graph = (self, index)
+            layer.device, layer.is_initialized = torch.device("cpu"), True  # a prompt run here: never initialised
         import weakref
         self.owner, self.length = weakref.ref(past), n
 
@@ -502,18 +525,78 @@ class GraphDecoder:
                     layer.keys, layer.values = keys, values
         self.owner = None
 
-    def _graph(self, T: int) -> _StepGraph:
-        key = (T, self.capacity)
+    def _run(self, tokens: list[int], start: int, keep: int) -> torch.Tensor:
+        """Logits [keep or T, V] of ``tokens`` written at rows start..: a prompt in chunks of at
+        most _CHUNK tokens (llama.cpp's batches: the graph's buffers stay sized by the chunk), the
+        logits of the last; the routing counted once for the whole forward, as eagerly."""
+        routed, logits = [], None
+        for at in range(0, len(tokens), _CHUNK):
+            chunk = tokens[at:at + _CHUNK]
+            last = at + _CHUNK >= len(tokens)
+            graph = self._graph(len(chunk), keep if last else 1)
+            logits = graph.run(chunk, start + at)
+            routed.append([ids.copy() for ids in graph.routed()] if not last else graph.routed())
+        self._count(routed, len(tokens))
+        return logits
+
+    def _graph(self, T: int, keep: int) -> _StepGraph:
+        keep = keep if 0 < keep < T else T
+        key = (T, keep, self.capacity)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = _StepGraph(self.spec, self.kv, T, self.threads)
+            prompts = [k for k in self.graphs if k[0] > 1]
+            if T > 1 and len(prompts) >= _PROMPT_GRAPHS:   # prompt lengths vary: keep a few graphs
+                del self.graphs[prompts[0]]
+            graph = self.graphs[key] = _StepGraph(self.spec, self.kv, T, self.threads, self.repacked, keep)
         return graph
 
-    def _count(self, graph: _StepGraph) -> None:
-        """The step's routing into the cache's table (its counters: hits, accesses)."""
-        table = self.cache.table
-        for layer, ids in zip(self._moe_layers, graph.routed()):
-            table.step(layer, ids.reshape(-1).tolist(), DECODE)
+    def _count(self, routed: list[list[np.ndarray]], T: int) -> None:
+        """The forward's routing into the cache's table (its counters: hits, accesses), each
+        MoE layer one step over all its tokens, as the eager path counts it."""
+        table, cache = self.cache.table, self.cache
+        phase = cache.phase if cache.phase is not None else (PREFILL if T > 1 else DECODE)
+        for i, layer in enumerate(self._moe_layers):
+            ids = [chunk[i].reshape(-1) for chunk in routed]
+            table.step(layer, (ids[0] if len(ids) == 1 else np.concatenate(ids)).tolist(), phase)
+
+
+def _weights(spec: _Spec):
+    """(ggml type, ne, address, stride or None) of every weight a graph multiplies with."""
+    for lin in (spec.lm_head, *(L[n] for L in spec.layers for n in ("q", "k", "v", "o", "shared_gate") if L.get(n))):
+        yield lin[0], lin[1], lin[2], None
+    for L in spec.layers:
+        for mlp in (L.get("mlp"), L.get("shared")):
+            for lin in (mlp or {}).values():
+                yield lin[0], lin[1], lin[2], None
+        for t, rows, cols, data in L["moe"]["experts"] if "moe" in L else ():
+            yield t, (cols, rows, data.shape[0]), data.data_ptr(), data.stride(0)
+
+
+def _repack(spec: _Spec, choice: str):
+    """(``Repacked`` holding every weight ggml repacks, or None; why), at load: llama.cpp's
+    default layout for its faster CPU kernels (quant/ggmlrepack.py). 'auto' repacks while the
+    quantized weights take under half the free memory: a model near the RAM's size stays read
+    in place from the file, paged by the OS."""
+    from ..quant.ggmlrepack import Repacked
+    from .device import free_memory
+
+    if choice == "off":
+        return None, "cpu_repack='off': weights read in place"
+    repacked = Repacked()
+    if repacked.buft is None:
+        return None, "ggml has no CPU_REPACK buffer type here: weights read in place"
+    quantized = [w for w in _weights(spec) if w[0] not in (GGML_TYPE_F32, GGML_TYPE_F16)]
+    size = sum(repacked.nbytes(t, ne) for t, ne, _, _ in quantized)
+    free = free_memory(torch.device("cpu"))
+    if free is not None and size > free // 2:
+        return None, (f"cpu_repack='auto': weights read in place ({size / 2**30:.1f} GiB of quantized "
+                      f"weights, over half the {free / 2**30:.1f} GiB free)")
+    for w in quantized:
+        repacked.tensor(*w)
+    if not repacked.tensors:
+        return None, "no weight of a type ggml repacks on this CPU: weights read in place"
+    return repacked, (f"{repacked.tensors} weights repacked for ggml's CPU kernels "
+                      f"({repacked.bytes / 2**20:.0f} MiB, the file's pages released)")
 
 
 def _past(kwargs: dict):
@@ -532,5 +615,5 @@ def attach(model: torch.nn.Module, cache, choice: str = "auto") -> tuple[str, st
         return "off", f"{err}: per-layer ggml and torch ops"
     model.forward = decoder   # an instance attribute: nn.Module.__call__ (and its hooks) runs it
     model._expertcache_graph = decoder
-    return "on", (f"one ggml graph a decode token ({decoder.spec.family}, {len(decoder.spec.layers)} layers, "
-                  f"{decoder.threads} threads); prefill per layer")
+    return "on", (f"one ggml graph a forward ({decoder.spec.family}, {len(decoder.spec.layers)} layers, "
+                  f"{decoder.threads} threads; prompts in chunks of {_CHUNK}); {decoder.repack_reason}")

@@ -1,0 +1,104 @@
+"""The graph's weights repacked for ggml's faster CPU kernels (``quant/ggmlrepack.py``, issue 32):
+the same outputs as reading them in place, the file's pages released and still correct when
+read again, anonymous memory never released, and 'auto' keeping a model that would not fit.
+
+Repacking reorders the blocks and the kernels sum in another order: logits differ from the
+in-place path by float rounding only (measured 1-3e-7 relative L2 on these fixtures), below
+``test_ggml_graph.FLOAT_TOL``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import expertcache
+from expertcache.config import CacheConfig
+from expertcache.quant import ggml, ggmlrepack
+from gguf_models import write_gguf
+
+pytestmark = pytest.mark.skipif(not ggml.available()[0], reason=f"ggml kernels: {ggml.available()[1]}")
+Q4_0 = 2
+PROMPT = torch.tensor([[100, 101, 102, 103, 104]])
+
+
+def _repacking():
+    """Skip where this CPU's ggml repacks nothing (the layouts are per instruction set)."""
+    if ggmlrepack.repack_buffer_type() is None:
+        pytest.skip("this ggml build has no CPU_REPACK buffer type")
+    probe = torch.zeros(8 * 18, dtype=torch.uint8)          # 8 rows of one Q4_0 block (18 bytes)
+    if ggmlrepack.Repacked().tensor(Q4_0, (32, 8), probe.data_ptr()) is None:
+        pytest.skip("ggml repacks no Q4_0 weight on this CPU (no AVX2 / NEON layout)")
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("repack") / "m.gguf", "qwen3_moe", "Q4_0", dense_type="Q4_K")
+
+
+def _logits(model, steps: int = 6) -> tuple[list[int], torch.Tensor]:
+    tokens, rows = [], []
+    with torch.no_grad():
+        out = model(PROMPT, use_cache=True)
+        for _ in range(steps):
+            tok = out.logits[:, -1:].argmax(-1)
+            tokens.append(tok.item())
+            out = model(tok, past_key_values=out.past_key_values, use_cache=True)
+            rows.append(out.logits[0, -1])
+    return tokens, torch.stack(rows)
+
+
+def test_repacked_equals_in_place_and_the_file_still_reads_back(path):
+    _repacking()
+    packed = expertcache.offload(path, device="cpu", baseline="resident")
+    in_place = expertcache.offload(path, device="cpu", baseline="resident", cpu_repack="off")
+    reason = packed.expertcache.summary()["cpu_graph_reason"]
+    # 2 layers x (3 experts + 4 attention); the lm_head (263 rows, not a multiple of 8) is read in place
+    assert "14 weights repacked for ggml's CPU kernels" in reason
+    assert "cpu_repack='off': weights read in place" in in_place.expertcache.summary()["cpu_graph_reason"]
+    (tokens, logits), (want, want_logits) = _logits(packed), _logits(in_place)
+    assert tokens == want
+    assert ((logits - want_logits).norm() / want_logits.norm()).item() < 1e-5
+    # the experts' file pages were released (a clean file mapping), and read back they are the file's
+    repacked = packed._expertcache_graph.repacked
+    host, ref = packed.expertcache.hosts[0], in_place.expertcache.hosts[0]
+    for part, t in host.tensors.items():
+        assert any(lo <= t.data_ptr() < hi for lo, hi in repacked._mapped)
+        assert torch.equal(t, ref.tensors[part])
+    # and the per-layer path, which reads them in place, still computes what it did
+    packed._expertcache_graph.enabled = in_place._expertcache_graph.enabled = False
+    assert _logits(packed)[0] == _logits(in_place)[0]
+
+
+def test_anonymous_memory_is_never_released():
+    """MADV_DONTNEED zeroes anonymous pages: a weight held in a tensor keeps its bytes."""
+    _repacking()
+    weight = torch.randint(0, 256, (64 * 18 * 64,), dtype=torch.uint8)      # 64 rows of 64 blocks
+    weight.view(-1, 18)[:, :2] = torch.tensor([0, 60], dtype=torch.uint8)   # scales 1.0 (f16)
+    before = weight.clone()
+    repacked = ggmlrepack.Repacked()
+    assert repacked.tensor(Q4_0, (32 * 64, 64), weight.data_ptr()) is not None
+    assert repacked.tensors == 1 and torch.equal(weight, before)
+    assert not any(lo <= weight.data_ptr() < hi for lo, hi in ggmlrepack.clean_file_maps())
+
+
+def test_auto_reads_a_model_over_half_the_free_memory_in_place(path, monkeypatch):
+    from expertcache.runtime import device
+
+    monkeypatch.setattr(device, "free_memory", lambda dev: 2 ** 20)      # 1 MiB free
+    model = expertcache.offload(path, device="cpu", baseline="resident")
+    reason = model.expertcache.summary()["cpu_graph_reason"]
+    assert "cpu_repack='auto': weights read in place (0.0 GiB of quantized weights, over half the 0.0 GiB free)" in reason
+    assert model._expertcache_graph.repacked is None
+
+
+def test_the_setting_is_checked_and_reaches_the_config():
+    import argparse
+
+    from expertcache.cli.options import add_cache_options, cache_config
+
+    with pytest.raises(ValueError, match="cpu_repack"):
+        CacheConfig(cpu_repack="on")
+    p = argparse.ArgumentParser()
+    add_cache_options(p)
+    assert cache_config(p.parse_args(["--baseline", "resident", "--cpu-repack", "off"])).cpu_repack == "off"
+    assert cache_config(p.parse_args(["--baseline", "resident"])).cpu_repack == "auto"
