@@ -290,6 +290,16 @@ def test_families_without_a_graph_say_why(tmp_path):
     assert why.startswith("mixtral: transformers has no GGUF mapping for Mixtral")
 
 
+def test_gpt_oss_from_an_hf_mxfp4_checkpoint_says_why(tmp_path):
+    """An HF MXFP4 checkpoint keeps gate and up rows alternating in one tensor (the graph reads a
+    GGUF's two): the per-layer path, and the summary names the reason."""
+    from test_hf_quant import write_gpt_oss_mxfp4
+
+    summary = expertcache.offload(write_gpt_oss_mxfp4(tmp_path), device="cpu",
+                                  baseline="resident").expertcache.summary()
+    assert summary["cpu_graph"] == "off" and "alternate in one tensor" in summary["cpu_graph_reason"]
+
+
 def test_the_cli_flag_reaches_the_config():
     import argparse
 

@@ -18,17 +18,26 @@ Quantized weights are repacked at load for ggml's faster CPU kernels where ggml 
 (``cpu_repack``, quant/ggmlrepack.py: llama.cpp's default, the file's pages then released);
 the rest is read where the loaded model keeps it (the mapped file's bytes for quantized
 tensors, transformers' float32 parameters for F32 norms and routers).
-The graph follows transformers' conventions (its weights, rotate-half RoPE), so it computes
-what the eager path computes, with ggml's arithmetic.
+The graph follows transformers' conventions (its weights, rotate-half RoPE, a scaled RoPE's
+frequencies as its rotary module computed them), so it computes what the eager path computes,
+with ggml's arithmetic.
 
 The KV cache: per layer one float32 buffer ``[capacity, kv_heads * head_dim]`` (a row a
 token, llama.cpp's layout), grown by doubling. The caller's ``DynamicCache`` keeps working:
 after each step its layers hold views of these buffers; rows written by the eager path (any
 forward the graph does not take) are copied in before the next graph step (the hand-over).
 
-Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases); others (GPT-OSS: sinks,
-sliding windows, YaRN, a clamped gate, expert biases) keep the eager path and ``support()``
-and ``summary()['cpu_graph_reason']`` say why.
+Sliding layers (transformers' ``layer_types``) keep every row too, and read them through a
+mask of their own (a token sees its last ``sliding_window`` positions); the caller's
+``DynamicSlidingWindowLayer`` reads the last ``window - 1`` rows, as transformers keeps them.
+
+Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases), GPT-OSS (attention sinks
+through ``flash_attn_ext_add_sinks``, sliding and full layers in turn, YaRN RoPE read from
+transformers' frequencies (``freq_factors``, its attention factor on cos and sin), q / k / v / o
+biases, the router's bias and softmax over the top-k logits, expert biases by ``add_id``, the
+clamped SwiGLU by ``swiglu_oai``). Others keep the eager path and ``support()`` and
+``summary()['cpu_graph_reason']`` say why (Mixtral and OLMoE: transformers maps no GGUF of
+theirs; GPT-OSS from an HF MXFP4 checkpoint: gate and up alternate in one tensor).
 Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
 is computed from them); a run with a CPU slot cache keeps the per-layer path.
 """
