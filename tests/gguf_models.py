@@ -51,7 +51,8 @@ def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EX
                                  decoder_sparse_step=1)
     if family == "gpt_oss":
         return tf.GptOssConfig(**common, intermediate_size=EXPERT_FF, num_local_experts=experts, head_dim=64,
-                               sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                               sliding_window=sliding_window,
+                               layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                                rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                                                 "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                 "original_max_position_embeddings": 4096})

@@ -602,11 +602,7 @@ class GraphDecoder:
         if kwargs.get("use_cache") is False:
             return "use_cache=False"
         past = _past(kwargs)
-        from transformers.cache_utils import DynamicCache
-        if past is not None and (not isinstance(past, DynamicCache) or len(past.layers) != len(self.spec.layers)
-                                 or any(type(layer) not in types for layer, types in zip(past.layers, self._layer_types))
-                                 or any(getattr(layer, "record_past", False) or getattr(layer, "sliding_window", w) != w
-                                        for layer, w in zip(past.layers, self.spec.windows))):
+        if past is not None and not self._matches(past):
             return "no DynamicCache whose layers match the model's (full attention, sliding windows)"
         n = 0 if past is None else past.get_seq_length()
         T = ids.shape[1]
@@ -625,6 +621,17 @@ class GraphDecoder:
         if n and not self._in_sync(past) and past.layers[0].keys.dtype != torch.float32:
             return "a cache not in float32"
         return None
+
+    def _matches(self, past) -> bool:
+        """Whether ``past`` is a DynamicCache whose layers are the model's kinds: full attention, or
+        sliding with the model's window and no recorded past (transformers' or ours, each)."""
+        from transformers.cache_utils import DynamicCache
+
+        if not isinstance(past, DynamicCache) or len(past.layers) != len(self.spec.layers):
+            return False
+        return all(type(layer) in types and not getattr(layer, "record_past", False)
+                   and getattr(layer, "sliding_window", window) == window
+                   for layer, types, window in zip(past.layers, self._layer_types, self.spec.windows))
 
     def _in_sync(self, past) -> bool:
         """Whether ``past``'s layers read this decoder's rows (no hand-over needed)."""
