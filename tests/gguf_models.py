@@ -35,7 +35,7 @@ def tokenizer_lists() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EXPERTS):
+def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EXPERTS, sliding_window: int = 16):
     import transformers as tf
 
     common = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -51,19 +51,20 @@ def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EX
                                  decoder_sparse_step=1)
     if family == "gpt_oss":
         return tf.GptOssConfig(**common, intermediate_size=EXPERT_FF, num_local_experts=experts, head_dim=64,
-                               sliding_window=16, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                               sliding_window=sliding_window,
+                               layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                                rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                                                 "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                 "original_max_position_embeddings": 4096})
     raise ValueError(f"no GGUF fixture for {family!r}")
 
 
-def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = EXPERTS):
+def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = EXPERTS, sliding_window: int = 16):
     import transformers as tf
 
     tokens, _, _ = tokenizer_lists()
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, len(tokens), layers, experts),
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, len(tokens), layers, experts, sliding_window),
                                                 dtype=torch.float32)
     with torch.no_grad():  # varied routing, so that tokens spread over the experts
         for name, p in model.named_parameters():
@@ -76,18 +77,20 @@ def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = 
 
 def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "Q8_0", seed: int = 0,
                layers: int = LAYERS, down_type: str | None = None, tokenizer: bool = True,
-               experts: int = EXPERTS, split_max_tensors: int = 0, dense_type: str = "F32") -> Path:
+               experts: int = EXPERTS, split_max_tensors: int = 0, dense_type: str = "F32",
+               sliding_window: int = 16) -> Path:
     """Write a tiny ``family`` model as GGUF with experts in ``expert_type`` (down in ``down_type``,
     or per layer when it is a list: llama.cpp's Q4_K_M mixes Q6_K and Q4_K down projections).
 
     ``dense_type``: the type of the 2-D non-expert weights (embedding, lm_head, attention,
     shared experts) as llama.cpp's quantizer leaves them; routers and norms stay F32.
+    ``sliding_window``: GPT-OSS's window (its sliding layers alternate with full ones).
 
     ``split_max_tensors`` > 0 writes a split model (``path`` gets ``-0000N-of-0000M``) and
     returns its first part.
     """
     path = Path(path)
-    model = tiny_model(family, seed, layers, experts)
+    model = tiny_model(family, seed, layers, experts, sliding_window)
     cfg = model.config
     arch = ARCH[family]
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)

@@ -197,10 +197,107 @@ def test_summary_says_why_the_graph_is_off(tmp_path):
         expertcache.offload(path, device="cpu", baseline="resident", cpu_graph="on")
 
 
-def test_gpt_oss_keeps_the_per_layer_path_and_says_why(tmp_path):
-    model = _load(tmp_path, "gpt_oss", "MXFP4", "F32")
+# GPT-OSS: 4 layers, sliding (window 4) and full in turn; a 9-token prompt, then 16 steps
+OSS_PROMPT, OSS_STEPS, OSS_WINDOW = [[100 + i for i in range(9)]], 16, 4
+OSS_FORCED = torch.randint(0, 256, (OSS_STEPS,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def _gpt_oss(tmp_path, experts="F32", dense="F32"):
+    path = write_gguf(tmp_path / f"gpt_oss_{experts}_{dense}.gguf", "gpt_oss", experts, dense_type=dense,
+                      layers=4, sliding_window=OSS_WINDOW)
+    return expertcache.offload(path, device="cpu", baseline="resident")
+
+
+@pytest.mark.parametrize("experts,dense", [("F32", "F32"), ("MXFP4", "Q8_0")])
+def test_gpt_oss_decodes_through_the_graph(tmp_path, experts, dense):
+    """Sinks, sliding and full layers (the prompt and the decode run past the window), YaRN
+    RoPE with its attention factor, q/k/v/o biases, the router's bias and softmax over the top-k
+    logits, expert biases and the clamped SwiGLU, against the per-layer path: greedy tokens
+    equal, and logits of a teacher-forced run over varied tokens (the greedy run repeats one)
+    within FLOAT_TOL (float32, measured 7e-7) or, quantized, each step within STEP_TOL with
+    the same top-1 wherever the margin allows (the module docstring says why)."""
+    model = _gpt_oss(tmp_path, experts, dense)
     summary = model.expertcache.summary()
-    assert summary["cpu_graph"] == "off" and summary["cpu_graph_reason"].startswith("gpt_oss")
+    assert summary["cpu_graph"] == "on", summary["cpu_graph_reason"]
+    assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    decoder = model._expertcache_graph
+    decoder.enabled = False
+    eager_tokens, _, _, _ = _decode(model, OSS_PROMPT, OSS_STEPS)
+    _, eager_logits, _, _ = _decode(model, OSS_PROMPT, OSS_STEPS, forced=OSS_FORCED)
+    decoder.enabled = True
+    tokens, _, past, _ = _decode(model, OSS_PROMPT, OSS_STEPS)
+    _, logits, _, _ = _decode(model, OSS_PROMPT, OSS_STEPS, forced=OSS_FORCED)
+    assert decoder.steps == 2 * OSS_STEPS and decoder.prefills == 2 and set(decoder.eager_calls) == {"disabled"}
+    assert tokens == eager_tokens
+    if experts == "F32":
+        assert _rel(logits, eager_logits) < FLOAT_TOL
+    for step, (mine, ref) in enumerate(zip(logits, eager_logits)):
+        assert _rel(mine, ref) < STEP_TOL, step
+        top = ref.topk(2).values
+        if top[0] - top[1] > (mine - ref).abs().max():
+            assert mine.argmax() == ref.argmax(), step
+    # a sliding layer's cache reads the last window - 1 rows, as transformers keeps them
+    n = len(OSS_PROMPT[0]) + OSS_STEPS
+    assert past.get_seq_length() == past.layers[0].cumulative_length == n
+    assert past.layers[0].keys.shape[2] == OSS_WINDOW - 1 and past.layers[1].keys.shape[2] == n
+
+
+def test_gpt_oss_hands_its_sliding_cache_over_both_ways(tmp_path, monkeypatch):
+    """A prompt in chunks of 4 (the window crossed within and between chunks), decode steps
+    through the graph, then eager ones (reading the graph's rows: a sliding layer the last
+    window - 1), then the graph again (handed the eager path's window - 1 rows: the rows
+    before are masked), the KV buffers grown from 2 rows, a deep copy decoding on: the
+    tokens and logits equal the per-layer path's throughout."""
+    import copy
+
+    monkeypatch.setattr(ggmlgraph, "_MIN_CAPACITY", 2)
+    monkeypatch.setattr(ggmlgraph, "_CHUNK", 4)
+    model = _gpt_oss(tmp_path)
+    decoder = model._expertcache_graph
+
+    def run(graph: bool):
+        decoder.enabled = graph
+        with torch.no_grad():
+            out = model(torch.tensor(OSS_PROMPT), use_cache=True, logits_to_keep=1)
+        tokens, logits, past, tok = _decode(model, None, 4, out.past_key_values, out.logits[:, -1:].argmax(-1))
+        twin, twin_tok = copy.deepcopy(past), tok          # while the graph's buffers hold the rows
+        assert type(twin.layers[0]).__name__ == "DynamicSlidingWindowLayer"
+        assert twin.layers[0].cumulative_length == len(OSS_PROMPT[0]) + 4
+        decoder.enabled = False
+        more, more_logits, past, tok = _decode(model, None, 3, past, tok)
+        decoder.enabled = graph
+        last, last_logits, past, _ = _decode(model, None, 5, past, tok)
+        again, again_logits, _, _ = _decode(model, None, 5, twin, twin_tok)
+        return tokens + more + last + again, torch.cat([out.logits[0], logits, more_logits, last_logits, again_logits])
+
+    eager_tokens, eager_logits = run(False)
+    tokens, logits = run(True)
+    assert decoder.prefills == 1 and decoder.steps == 14 and decoder.capacity >= 21
+    assert tokens == eager_tokens and _rel(logits, eager_logits) < FLOAT_TOL
+    with torch.no_grad():
+        generated = {e: (setattr(decoder, "enabled", e),
+                         model.generate(torch.tensor(OSS_PROMPT), max_new_tokens=6, do_sample=False))[1]
+                     for e in (False, True)}
+    assert torch.equal(generated[True], generated[False]) and decoder.steps == 19
+
+
+def test_families_without_a_graph_say_why(tmp_path):
+    """Mixtral and OLMoE load from no GGUF file (transformers maps none), so their experts never
+    reach ggml's kernels; were one to come here, the reason names that."""
+    model = _load(tmp_path, "qwen3_moe", "Q8_0", "F32")
+    model.config.model_type = "mixtral"
+    why = ggmlgraph.support(model, model.expertcache)
+    assert why.startswith("mixtral: transformers has no GGUF mapping for Mixtral")
+
+
+def test_gpt_oss_from_an_hf_mxfp4_checkpoint_says_why(tmp_path):
+    """An HF MXFP4 checkpoint keeps gate and up rows alternating in one tensor (the graph reads a
+    GGUF's two): the per-layer path, and the summary names the reason."""
+    from test_hf_quant import write_gpt_oss_mxfp4
+
+    summary = expertcache.offload(write_gpt_oss_mxfp4(tmp_path), device="cpu",
+                                  baseline="resident").expertcache.summary()
+    assert summary["cpu_graph"] == "off" and "alternate in one tensor" in summary["cpu_graph_reason"]
 
 
 def test_the_cli_flag_reaches_the_config():

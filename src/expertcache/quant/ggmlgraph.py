@@ -48,7 +48,8 @@ def _declare() -> None:
             ("ggml_flash_attn_ext", T, [P, T, T, T, T, F, F, F]),
             ("ggml_flash_attn_ext_set_prec", None, [T, I]),
             ("ggml_argsort_top_k", T, [P, T, I]), ("ggml_set_rows", T, [P, T, T, T]),
-            ("ggml_swiglu_split", T, [P, T, T]),
+            ("ggml_swiglu_split", T, [P, T, T]), ("ggml_swiglu_oai", T, [P, T, T, F, F]),
+            ("ggml_add_id", T, [P, T, T, T]), ("ggml_flash_attn_ext_add_sinks", None, [T, T]),
             ("ggml_gallocr_new", P, [P]), ("ggml_gallocr_free", None, [P]),
             ("ggml_gallocr_alloc_graph", ctypes.c_bool, [P, P]),
             ("ggml_gallocr_get_buffer_size", S, [P, I]),
@@ -125,15 +126,22 @@ class Graph:
         if self._room < 0:
             raise RuntimeError("ggml graph context too small for this model (raise Graph's tensors)")
 
-    def rope(self, x, pos, n_dims: int, mode: int, base: float, freq_scale: float = 1.0):
+    def rope(self, x, pos, n_dims: int, mode: int, base: float, freq_scale: float = 1.0,
+             freq_factors=None, attn_factor: float = 1.0):
+        """RoPE without ggml's own YaRN ramp (ext_factor 0): ``freq_factors`` [n_dims / 2] divide
+        each pair's frequency, ``attn_factor`` scales cos and sin (transformers' attention_scaling)."""
         self._use(1)
-        return self._base.ggml_rope_ext(self.ctx, x, pos, None, n_dims, mode, 0, base, freq_scale,
-                                        0.0, 1.0, 0.0, 0.0)
+        return self._base.ggml_rope_ext(self.ctx, x, pos, freq_factors, n_dims, mode, 0, base, freq_scale,
+                                        0.0, attn_factor, 0.0, 0.0)
 
-    def attention(self, q, k, v, mask, scale: float):
+    def attention(self, q, k, v, mask, scale: float, sinks=None):
+        """Flash attention; ``sinks`` [heads] float32: one more logit a head in the softmax's
+        denominator, with no value (GPT-OSS)."""
         self._use(1)
         out = self._base.ggml_flash_attn_ext(self.ctx, q, k, v, mask, scale, 0.0, 0.0)
         self._base.ggml_flash_attn_ext_set_prec(out, PREC_F32)
+        if sinks is not None:
+            self._base.ggml_flash_attn_ext_add_sinks(out, sinks)
         return out
 
     def expand(self, t) -> None:

@@ -18,17 +18,26 @@ Quantized weights are repacked at load for ggml's faster CPU kernels where ggml 
 (``cpu_repack``, quant/ggmlrepack.py: llama.cpp's default, the file's pages then released);
 the rest is read where the loaded model keeps it (the mapped file's bytes for quantized
 tensors, transformers' float32 parameters for F32 norms and routers).
-The graph follows transformers' conventions (its weights, rotate-half RoPE), so it computes
-what the eager path computes, with ggml's arithmetic.
+The graph follows transformers' conventions (its weights, rotate-half RoPE, a scaled RoPE's
+frequencies as its rotary module computed them), so it computes what the eager path computes,
+with ggml's arithmetic.
 
 The KV cache: per layer one float32 buffer ``[capacity, kv_heads * head_dim]`` (a row a
 token, llama.cpp's layout), grown by doubling. The caller's ``DynamicCache`` keeps working:
 after each step its layers hold views of these buffers; rows written by the eager path (any
 forward the graph does not take) are copied in before the next graph step (the hand-over).
 
-Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases); others (GPT-OSS: sinks,
-sliding windows, YaRN, a clamped gate, expert biases) keep the eager path and ``support()``
-and ``summary()['cpu_graph_reason']`` say why.
+Sliding layers (transformers' ``layer_types``) keep every row too, and read them through a
+mask of their own (a token sees its last ``sliding_window`` positions); the caller's
+``DynamicSlidingWindowLayer`` reads the last ``window - 1`` rows, as transformers keeps them.
+
+Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases), GPT-OSS (attention sinks
+through ``flash_attn_ext_add_sinks``, sliding and full layers in turn, YaRN RoPE read from
+transformers' frequencies (``freq_factors``, its attention factor on cos and sin), q / k / v / o
+biases, the router's bias and softmax over the top-k logits, expert biases by ``add_id``, the
+clamped SwiGLU by ``swiglu_oai``). Others keep the eager path and ``support()`` and
+``summary()['cpu_graph_reason']`` say why (Mixtral and OLMoE: transformers maps no GGUF of
+theirs; GPT-OSS from an HF MXFP4 checkpoint: gate and up alternate in one tensor).
 Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
 is computed from them); a run with a CPU slot cache keeps the per-layer path.
 """
@@ -46,9 +55,14 @@ from ..stats import DECODE, PREFILL
 from .cpudense import GgmlEmbedding, GgmlLinear
 from .threads import ggml_threads
 
-# the families whose quantized experts reach ggml here (GGUF files transformers 5.24 maps);
-# Mixtral and OLMoE have no GGUF mapping in transformers, so their experts never do
-FAMILIES = {"qwen3_moe", "qwen2_moe"}
+# the families whose quantized experts reach ggml here (GGUF files transformers 5.24 maps)
+FAMILIES = {"qwen3_moe", "qwen2_moe", "gpt_oss"}
+# why a family is not among them (their models never reach the graph's check today: no GGUF
+# file of theirs loads, so their experts are never the quantized bytes ggml reads)
+_NOT_BUILT = {"mixtral": "transformers has no GGUF mapping for Mixtral",
+              "olmoe": "transformers has no GGUF mapping for OLMoE"}
+# RoPE types whose frequencies change with the sequence length (``dynamic_rope_update``)
+_DYNAMIC_ROPE = {"dynamic", "longrope"}
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
 _CHUNK = 256                 # a prompt runs in graphs of at most this many tokens
 _PROMPT_GRAPHS = 3           # graphs for multi-token forwards kept (a graph per length)
@@ -103,7 +117,8 @@ class _Spec:
         cfg = model.config
         self.family = getattr(cfg, "model_type", None)
         if self.family not in FAMILIES:
-            raise Unsupported(f"{self.family}: not built as one graph yet (families: {', '.join(sorted(FAMILIES))})")
+            why = _NOT_BUILT.get(self.family, "not built as one graph yet")
+            raise Unsupported(f"{self.family}: {why} (families: {', '.join(sorted(FAMILIES))})")
         if cache.kernels is None or cache.device.type != "cpu":
             raise Unsupported("experts are not on ggml's CPU kernels")
         if not (cache.host_resident or (cache.pool.slots == 0 and cache.miss == "cpu")):
@@ -113,23 +128,11 @@ class _Spec:
         if getattr(cache, "tier", None) is not None:
             raise Unsupported("host_memory='tiered': the RAM tier holds a share of the experts, and the "
                               "graph reads every expert's bytes in place")
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
-                and any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ["sliding"]):
-            raise Unsupported("sliding-window attention")
-        if getattr(cfg, "layer_types", None) and any(t != "full_attention" for t in cfg.layer_types):
-            raise Unsupported("layers other than full attention")
         self.cache = cache
+        self.windows = _windows(cfg)       # per layer: the sliding window, or None (full attention)
+        self.window = next((w for w in self.windows if w), None)
         inner = model.model
-        rope = inner.rotary_emb
-        if getattr(rope, "rope_type", "default") != "default" or float(getattr(rope, "attention_scaling", 1.0)) != 1.0:
-            raise Unsupported(f"rope type {getattr(rope, 'rope_type', '?')}")
-        inv = rope.inv_freq.float()
-        self.n_rot = 2 * inv.numel()
-        self.rope_base = float(1.0 / inv[1] ** (-1.0 / (2.0 / self.n_rot))) if inv.numel() > 1 else 10000.0
-        params = getattr(cfg, "rope_parameters", None) or {}
-        theta = params.get("rope_theta", getattr(cfg, "rope_theta", None)) if isinstance(params, dict) else None
-        if theta is not None:
-            self.rope_base = float(theta)
+        self._rope(cfg, inner.rotary_emb)
         self.hidden = cfg.hidden_size
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
@@ -149,6 +152,27 @@ class _Spec:
         self.lm_head = _linear(model.get_output_embeddings())
         self.layers = [self._layer(i, layer) for i, layer in enumerate(inner.layers)]
 
+    def _rope(self, cfg, rope: torch.nn.Module) -> None:
+        """RoPE as transformers' rotary module computes it. A scaled type (YaRN: GPT-OSS) is read
+        from the module's frequencies, not rebuilt with ggml's own YaRN: ggml rounds YaRN's ramp
+        to whole dimensions, transformers (``truncate=False``) does not. The graph divides ggml's
+        base frequencies by ``freq_factors`` to land on transformers' and scales cos and sin by
+        its ``attention_scaling``."""
+        rope_type = getattr(rope, "rope_type", "default")
+        if rope_type in _DYNAMIC_ROPE:
+            raise Unsupported(f"rope type {rope_type} (its frequencies change with the length)")
+        inv = rope.inv_freq.float()
+        self.n_rot = 2 * inv.numel()
+        self.rope_base = float(1.0 / inv[1] ** (-1.0 / (2.0 / self.n_rot))) if inv.numel() > 1 else 10000.0
+        params = getattr(cfg, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", getattr(cfg, "rope_theta", None)) if isinstance(params, dict) else None
+        if theta is not None:
+            self.rope_base = float(theta)
+        self.attn_factor = float(getattr(rope, "attention_scaling", 1.0))
+        self.freq_factors = None
+        if rope_type != "default":
+            self.freq_factors = _freq_factors(inv, self.rope_base, self.n_rot)     # [D / 2]
+
     def _layer(self, i: int, layer: torch.nn.Module) -> dict:
         attn = layer.self_attn
         if abs(float(getattr(attn, "scaling", self.head_dim ** -0.5)) - self.head_dim ** -0.5) > 1e-12:
@@ -156,7 +180,10 @@ class _Spec:
         spec = {"in_norm": (_vector(layer.input_layernorm.weight), _eps(layer.input_layernorm)),
                 "post_norm": (_vector(layer.post_attention_layernorm.weight), _eps(layer.post_attention_layernorm)),
                 "q": _linear(attn.q_proj), "k": _linear(attn.k_proj), "v": _linear(attn.v_proj),
-                "o": _linear(attn.o_proj)}
+                "o": _linear(attn.o_proj), "window": self.windows[i]}
+        sinks = getattr(attn, "sinks", None)                                     # GPT-OSS: [N]
+        if sinks is not None:
+            spec["sinks"] = _vector(sinks.data)
         for name in ("q_norm", "k_norm"):
             norm = getattr(attn, name, None)
             if norm is not None:
@@ -173,15 +200,18 @@ class _Spec:
             raise Unsupported(f"layer {i}: experts not attached")
         cache, index = handle
         kernel = cache.kernels[index]
-        if not kernel._silu_gate(experts):
-            raise Unsupported(f"layer {i}: an expert gate other than SiLU(gate) * up")
         host = cache.hosts[index]
         parts = {p: host.tensors[p] for p in (*kernel.first.parts, *kernel.down.parts)}
+        experts_ = [(kernel.part[p].fmt.ggml_type, *kernel.part[p].shape, t) for p, t in parts.items()]
+        if self.family == "gpt_oss":
+            spec["moe"] = _oai_moe(i, mlp, kernel, host) | {"experts": experts_, "index": index}
+            return spec
+        if not kernel._silu_gate(experts):
+            raise Unsupported(f"layer {i}: an expert gate other than SiLU(gate) * up")
         router = mlp.gate
         norm = bool(getattr(router, "norm_topk_prob", False))
         spec["moe"] = {"router": _vector(router.weight), "top_k": router.top_k, "norm": norm,
-                       "experts": [(kernel.part[p].fmt.ggml_type, *kernel.part[p].shape, t) for p, t in parts.items()],
-                       "index": index}
+                       "experts": experts_, "index": index}
         if getattr(mlp, "shared_expert", None) is not None:
             spec["shared"] = self._dense_mlp(mlp.shared_expert)
             gate = getattr(mlp, "shared_expert_gate", None)
@@ -195,6 +225,61 @@ class _Spec:
         if type(getattr(mlp, "act_fn", None)) not in (SiLUActivation, torch.nn.SiLU):
             raise Unsupported(f"{type(mlp).__name__}: an activation other than SiLU")
         return {"gate": _linear(mlp.gate_proj), "up": _linear(mlp.up_proj), "down": _linear(mlp.down_proj)}
+
+
+def _windows(cfg) -> list[int | None]:
+    """Each layer's sliding window (transformers' ``layer_types``), or None for full attention."""
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    windows = []
+    for i, kind in enumerate(types):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise Unsupported(f"layer {i}: {kind} layers")
+        window = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
+        if kind == "sliding_attention" and not (isinstance(window, int) and window > 0):
+            raise Unsupported(f"layer {i}: a sliding layer without a sliding window")
+        windows.append(window)
+    return windows
+
+
+def _freq_factors(inv_freq: torch.Tensor, base: float, n_rot: int) -> torch.Tensor:
+    """[n_rot / 2] float32 divisors of ggml's RoPE frequencies that give ``inv_freq``.
+
+    ggml's frequency of pair i is ``base ** (-2 / n_rot)`` multiplied i times in float32 (its
+    ``theta_scale``); dividing by that same float32 product over transformers' frequency leaves
+    transformers' frequency within float rounding."""
+    scale = np.float32(base ** (-2.0 / n_rot))
+    ggml_freq = np.empty(inv_freq.numel(), dtype=np.float32)
+    f = np.float32(1.0)
+    for i in range(ggml_freq.size):
+        ggml_freq[i] = f
+        f = np.float32(f * scale)
+    return (torch.from_numpy(ggml_freq).double() / inv_freq.double()).float().contiguous()
+
+
+def _oai_moe(i: int, mlp: torch.nn.Module, kernel, host) -> dict:
+    """GPT-OSS's MoE as the graph computes it, checked against transformers' own code: the
+    router's softmax over its top-k logits (with a bias), experts with biases, and the clamped
+    SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, g = min(gate, l) (ggml's
+    ``swiglu_oai``, which computes exactly this)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as oss
+
+    experts, router = mlp.experts, mlp.router
+    if type(router).forward is not oss.GptOssTopKRouter.forward:
+        raise Unsupported(f"layer {i}: a router other than GPT-OSS's softmax over the top-k logits")
+    if getattr(type(experts), "_apply_gate", None) is not oss.GptOssExperts._apply_gate:
+        raise Unsupported(f"layer {i}: an expert gate other than GPT-OSS's clamped SwiGLU")
+    if kernel.first.join != "interleave" or len(kernel.first.parts) != 2:
+        raise Unsupported(f"layer {i}: GPT-OSS experts whose gate and up rows alternate in one tensor "
+                          "(an HF MXFP4 checkpoint): the graph reads gate and up as two tensors (GGUF)")
+    if kernel.first_bias is None or kernel.down_bias is None:
+        raise Unsupported(f"layer {i}: GPT-OSS experts without biases")
+    biases = []
+    for p in (*kernel.first_bias.parts, *kernel.down_bias.parts):      # gate, up, down: [E, rows]
+        if kernel.part[p].fmt.ggml_type != GGML_TYPE_F32:
+            raise Unsupported(f"layer {i}: a {kernel.part[p].fmt.name} expert bias (the graph adds float32)")
+        biases.append((kernel.part[p].shape[0], host.tensors[p]))
+    return {"router": _vector(router.weight), "router_bias": _vector(router.bias), "top_k": router.top_k,
+            "softmax_topk": True, "biases": biases, "swiglu_oai": (float(experts.alpha), float(experts.limit))}
 
 
 # -- the graph ------------------------------------------------------------------------
@@ -214,6 +299,10 @@ class _StepGraph:
         self.pos, self.pos_addr = g.input(GGML_TYPE_I32, (T,), 4)
         self.rows, self.rows_addr = g.input(GGML_TYPE_I64, (T,), 8)
         self.mask, self.mask_addr = g.input(GGML_TYPE_F16, (C, T), 2)
+        # sliding layers' mask: the causal one less the cells a window back (transformers': a
+        # token sees the ``window`` positions up to its own)
+        self.swa, swa_addr = g.input(GGML_TYPE_F16, (C, T), 2) if spec.window else (None, None)
+        self.freq_factors = None if spec.freq_factors is None else self._vec(spec.freq_factors)
         self.ids = []                                                          # [K, T] per MoE layer
         x = g.get_rows(g.leaf(spec.embed[0], spec.embed[1], spec.embed[2]), self.tok)   # [H, T]
         for layer, (k_buf, v_buf) in zip(spec.layers, kv):
@@ -228,6 +317,7 @@ class _StepGraph:
         self.work_bytes = g.finish([self.logits, *sorted_], n_threads)
         self._ids_views = [gg.int32_array(s_, (T, gg.ne(s_)[0]))[:, :gg.ne(t)[0]] for s_, t in zip(sorted_, self.ids)]
         self._mask = gg.f16_array(self.mask_addr, (T, C))                        # [T, C] 0 or -inf
+        self._swa = None if swa_addr is None else gg.f16_array(swa_addr, (T, C))
         self._tok = gg.int32_array(self.tok_addr, (T,))      # numpy views of the inputs, made once
         self._pos = gg.int32_array(self.pos_addr, (T,))
         self._rows = gg.int64_array(self.rows_addr, (T,))
@@ -258,8 +348,8 @@ class _StepGraph:
         q, k = g.reshape_3d(q, D, N, T), g.reshape_3d(k, D, M, T)               # [D, N | M, T]
         if "q_norm" in L:                                                        # Qwen3: per head
             q, k = self._norm(q, L["q_norm"]), self._norm(k, L["k_norm"])
-        q = g.rope(q, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base)
-        k = g.rope(k, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base)
+        q = g.rope(q, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base, 1.0, self.freq_factors, s.attn_factor)
+        k = g.rope(k, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base, 1.0, self.freq_factors, s.attn_factor)
         kc = g.leaf(GGML_TYPE_F32, (M * D, C), k_buf.data_ptr())                 # [M*D, C]
         vc = g.leaf(GGML_TYPE_F32, (M * D, C), v_buf.data_ptr())
         g.expand(g.set_rows(kc, g.reshape_2d(k, M * D, T), self.rows))          # written before it is read
@@ -268,7 +358,9 @@ class _StepGraph:
         kv_k = g.view_3d(kc, D, C, M, row, 4 * D, 0)                            # [D, C, M]
         kv_v = g.view_3d(vc, D, C, M, row, 4 * D, 0)
         qp = g.permute(q, 0, 2, 1, 3)                                            # [D, T, N]
-        a = g.attention(qp, kv_k, kv_v, self.mask, D ** -0.5)                   # [D, N, T]
+        mask = self.mask if L["window"] is None else self.swa
+        sinks = self._vec(L["sinks"]) if "sinks" in L else None
+        a = g.attention(qp, kv_k, kv_v, mask, D ** -0.5, sinks)                 # [D, N, T]
         o = self._mm(L["o"], g.reshape_2d(a, D * N, T))                          # [H, T]
         x = g.add(o, x)
         h = self._norm(x, L["post_norm"])
@@ -290,6 +382,14 @@ class _StepGraph:
         router = moe["router"]
         E = router.shape[0]
         logits = g.mul_mat(g.leaf(GGML_TYPE_F32, (H, E), router.data_ptr()), h)  # [E, T]
+        if "router_bias" in moe:
+            logits = g.add(logits, self._vec(moe["router_bias"]))
+        if moe.get("softmax_topk"):   # GPT-OSS: the top-k logits, then a softmax over those k
+            sel = g.argsort_top_k(logits, K)                                      # [K, T] int32
+            w = g.get_rows(g.reshape_3d(logits, 1, E, T), sel)                   # [1, K, T]
+            w = g.reshape_3d(g.soft_max(g.reshape_2d(w, K, T)), 1, K, T)
+            self.ids.append(sel)
+            return self._oai_experts(moe, h, sel, w)
         probs = g.soft_max(logits)
         sel = g.argsort_top_k(probs, K)                                           # [K, T] int32
         self.ids.append(sel)
@@ -309,9 +409,28 @@ class _StepGraph:
             up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
         par = g.swiglu_split(gate, up)                                            # silu(gate) * up
         ex = g.mul(g.mul_mat_id(weights[-1], par, sel), w)                        # [H, K, T]
-        # the sum over ranks as one sum_rows of a [K, H, T] copy (llama.cpp adds K views: more nodes,
-        # each a barrier of the thread pool)
-        return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), H, T)  # [H, T]
+        return self._sum_ranks(ex)
+
+    def _oai_experts(self, moe: dict, h, sel, w):
+        """GPT-OSS's experts: biases added per pair's expert (``add_id``), the clamped SwiGLU."""
+        g, T, H = self.g, self.tokens, self.spec.hidden
+        hx = g.reshape_3d(h, H, 1, T)
+        weights = [self._weight(t, (cols, rows, data.shape[0]), data.data_ptr(), data.stride(0))
+                   for t, rows, cols, data in moe["experts"]]                    # gate, up, down
+        biases = [g.leaf(GGML_TYPE_F32, (rows, data.shape[0]), data.data_ptr(), stride=data.stride(0))
+                  for rows, data in moe["biases"]]                              # [rows, E] each
+        gate = g.add_id(g.mul_mat_id(weights[0], hx, sel), biases[0], sel)       # [I, K, T]
+        up = g.add_id(g.mul_mat_id(weights[1], hx, sel), biases[1], sel)
+        alpha, limit = moe["swiglu_oai"]
+        par = g.swiglu_oai(gate, up, alpha, limit)                                # [I, K, T]
+        ex = g.add_id(g.mul_mat_id(weights[2], par, sel), biases[2], sel)        # [H, K, T]
+        return self._sum_ranks(g.mul(ex, w))
+
+    def _sum_ranks(self, ex):
+        """[H, K, T] -> [H, T]: the sum over ranks as one sum_rows of a [K, H, T] copy (llama.cpp
+        adds K views: more nodes, each a barrier of the thread pool)."""
+        g = self.g
+        return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), self.spec.hidden, self.tokens)
 
     def run(self, tokens: list[int], start: int) -> torch.Tensor:
         """Logits [keep, V] of the last ``keep`` of ``tokens`` at positions start.. (every
@@ -319,11 +438,18 @@ class _StepGraph:
         T = self.tokens
         self._tok[:] = tokens
         self._pos[:] = self._rows[:] = range(start, start + T)
+        W = self.spec.window
         if T == 1 and start == self._filled:   # the next decode token: one more cell to see
             self._mask[0, start] = 0
+            if self._swa is not None:           # and, a window back, one fewer
+                self._swa[0, start] = 0
+                if start >= W:
+                    self._swa[0, start - W] = -np.inf
         else:                                   # [T, C]: row t sees cells 0 .. start + t
-            seen = np.arange(self.capacity)[None, :] <= start + np.arange(T)[:, None]
-            self._mask[:] = np.where(seen, 0, -np.inf)
+            cells, pos = np.arange(self.capacity)[None, :], start + np.arange(T)[:, None]
+            self._mask[:] = np.where(cells <= pos, 0, -np.inf)
+            if self._swa is not None:           # sliding: cells start + t - W + 1 .. start + t
+                self._swa[:] = np.where((cells <= pos) & (cells > pos - W), 0, -np.inf)
         self._filled = start + 1 if T == 1 else -1
         out = torch.empty(self.keep, self.spec.vocab)                             # [keep, V]
         self.logits.contents.data = out.data_ptr()
@@ -336,15 +462,19 @@ class _StepGraph:
 
 
 # -- the decode path ------------------------------------------------------------------
-@lru_cache(maxsize=1)
-def _graph_layer_class():
-    """``DynamicLayer`` whose keys and values are the graph's KV rows, made into tensors only
-    when something reads them (the eager path, ``get_seq_length`` reads the length alone):
-    a graph step then costs the cache no Python. The first write by anyone else (the eager
-    path's ``torch.cat``, ``crop``) turns the layer back into one holding its own tensors."""
-    from transformers.cache_utils import DynamicLayer
+@lru_cache(maxsize=None)
+def _graph_layer_class(base: type) -> type:
+    """``base`` (transformers' ``DynamicLayer`` or ``DynamicSlidingWindowLayer``) whose keys and
+    values are the graph's KV rows, made into tensors only when something reads them (the eager
+    path; ``get_seq_length`` reads the length alone): a graph step then costs the cache no
+    Python. The first write by anyone else (the eager path's ``torch.cat``, ``crop``) turns the
+    layer back into one holding its own tensors. A sliding layer reads the last ``window - 1``
+    rows, as transformers keeps them, and its ``cumulative_length`` is the decoder's length."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    class GraphLayer(DynamicLayer):
+    sliding = issubclass(base, DynamicSlidingWindowLayer)
+
+    class GraphLayer(base):
         _graph = None  # (decoder, layer index) while the rows live in the decoder's buffers
 
         def _get(self, name: str, which: int):
@@ -353,29 +483,42 @@ def _graph_layer_class():
                 return decoder.view(index, which)
             return self.__dict__.get(name)
 
+        def _release(self) -> None:
+            """Hold views of the rows (and the length) now: the decoder stops writing for us."""
+            decoder, index = self._graph
+            self.__dict__["_keys"], self.__dict__["_values"] = decoder.view(index, 0), decoder.view(index, 1)
+            self.__dict__["_cumulative_length"] = decoder.length
+            self._graph = None
+
         def _set(self, name: str, value) -> None:
-            if self._graph is not None:  # someone else writes: hold views of the rows now
-                decoder, index = self._graph
-                self.__dict__["_keys"], self.__dict__["_values"] = decoder.view(index, 0), decoder.view(index, 1)
-                self._graph = None
+            if self._graph is not None:  # someone else writes
+                self._release()
             self.__dict__[name] = value
 
         keys = property(lambda self: self._get("_keys", 0), lambda self, v: self._set("_keys", v))
         values = property(lambda self: self._get("_values", 1), lambda self, v: self._set("_values", v))
+        if sliding:
+            cumulative_length = property(
+                lambda self: self._graph[0].length if self._graph is not None else self.__dict__["_cumulative_length"],
+                lambda self, v: self._set("_cumulative_length", v))
 
         def get_seq_length(self) -> int:
             return self._graph[0].length if self._graph is not None else super().get_seq_length()
 
         def __deepcopy__(self, memo):
-            """A plain DynamicLayer holding copies of the rows (never a copy of the decoder)."""
+            """A plain ``base`` layer holding copies of the rows (never a copy of the decoder)."""
             import copy
 
-            layer = DynamicLayer.__new__(DynamicLayer)
-            state = {k: v for k, v in vars(self).items() if k not in ("_graph", "_keys", "_values")}
+            layer = base.__new__(base)
+            hidden = ("_graph", "_keys", "_values", "_cumulative_length", "cumulative_length")
+            state = {k: v for k, v in vars(self).items() if k not in hidden}
             layer.__dict__.update(copy.deepcopy(state, memo))
             layer.keys, layer.values = self.keys.clone(), self.values.clone()
+            if sliding:
+                layer.cumulative_length = self.cumulative_length
             return layer
 
+    GraphLayer.__name__ = GraphLayer.__qualname__ = "Graph" + base.__name__
     return GraphLayer
 
 
@@ -385,7 +528,7 @@ class GraphDecoder:
     the eager forward, and the KV cache is handed over both ways."""
 
     def __init__(self, model: torch.nn.Module, cache, eager) -> None:
-        from transformers.cache_utils import DynamicLayer
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         self.spec = _Spec(model, cache)   # raises Unsupported
         self.cache, self.eager = cache, eager
@@ -399,7 +542,10 @@ class GraphDecoder:
         self.config = model.config
         self.eager_calls: dict[str, int] = {}  # why forwards went eager
         self.enabled = True
-        self._layer_types = (DynamicLayer, _graph_layer_class())
+        # per layer: the cache layer types a forward's cache may hold there (transformers' own,
+        # ours), and the one the hand-over makes
+        bases = [DynamicLayer if w is None else DynamicSlidingWindowLayer for w in self.spec.windows]
+        self._layer_types = [(b, _graph_layer_class(b)) for b in bases]
         self._moe_layers = [L["moe"]["index"] for L in self.spec.layers if "moe" in L]
         self.repacked, self.repack_reason = _repack(self.spec, cache.config.cpu_repack)
 
@@ -411,9 +557,11 @@ class GraphDecoder:
         return sum(k.numel() * 4 + v.numel() * 4 for k, v in self.kv)
 
     def view(self, layer: int, which: int) -> torch.Tensor:
-        """Layer ``layer``'s keys (0) or values (1) as transformers holds them: [1, M, n, D]."""
-        M, D, n = self.spec.kv_heads, self.spec.head_dim, self.length
-        return self.kv[layer][which].as_strided((1, M, n, D), (n * M * D, D, M * D, 1))
+        """Layer ``layer``'s keys (0) or values (1) as transformers holds them: [1, M, m, D], the
+        last m of the n rows (m = n, or at most window - 1 on a sliding layer)."""
+        M, D, n, window = self.spec.kv_heads, self.spec.head_dim, self.length, self.spec.windows[layer]
+        m = n if window is None else min(n, window - 1)
+        return self.kv[layer][which].as_strided((1, M, m, D), (m * M * D, D, M * D, 1), (n - m) * M * D)
 
     def __call__(self, *args, **kwargs):
         why = self._refusal(args, kwargs)
@@ -454,10 +602,8 @@ class GraphDecoder:
         if kwargs.get("use_cache") is False:
             return "use_cache=False"
         past = _past(kwargs)
-        from transformers.cache_utils import DynamicCache
-        if past is not None and (not isinstance(past, DynamicCache) or len(past.layers) != len(self.spec.layers)
-                                 or any(type(layer) not in self._layer_types for layer in past.layers)):
-            return "no DynamicCache of full-attention layers"
+        if past is not None and not self._matches(past):
+            return "no DynamicCache whose layers match the model's (full attention, sliding windows)"
         n = 0 if past is None else past.get_seq_length()
         T = ids.shape[1]
         mask = kwargs.get("attention_mask")
@@ -475,6 +621,17 @@ class GraphDecoder:
         if n and not self._in_sync(past) and past.layers[0].keys.dtype != torch.float32:
             return "a cache not in float32"
         return None
+
+    def _matches(self, past) -> bool:
+        """Whether ``past`` is a DynamicCache whose layers are the model's kinds: full attention, or
+        sliding with the model's window and no recorded past (transformers' or ours, each)."""
+        from transformers.cache_utils import DynamicCache
+
+        if not isinstance(past, DynamicCache) or len(past.layers) != len(self.spec.layers):
+            return False
+        return all(type(layer) in types and not getattr(layer, "record_past", False)
+                   and getattr(layer, "sliding_window", window) == window
+                   for layer, types, window in zip(past.layers, self._layer_types, self.spec.windows))
 
     def _in_sync(self, past) -> bool:
         """Whether ``past``'s layers read this decoder's rows (no hand-over needed)."""
@@ -499,15 +656,15 @@ class GraphDecoder:
             # empty: rows past the cache's length are masked, and ggml skips masked rows
             self.kv = [(torch.empty(cap, M * D), torch.empty(cap, M * D)) for _ in self.spec.layers]
             self.graphs.clear()
-        for (keys, values), (kb, vb) in zip(rows, self.kv) if n else ():         # -> [n, M*D]
-            kb[:n].view(n, M, D).copy_(keys[0].transpose(0, 1))
-            vb[:n].view(n, M, D).copy_(values[0].transpose(0, 1))
+        for (keys, values), (kb, vb) in zip(rows, self.kv) if n else ():         # -> rows n - m .. n
+            m = keys.shape[2]     # n, or the last window - 1 on a sliding layer (those before: masked)
+            kb[n - m:n].view(m, M, D).copy_(keys[0].transpose(0, 1))
+            vb[n - m:n].view(m, M, D).copy_(values[0].transpose(0, 1))
         del rows
-        graph_layer = self._layer_types[1]
         for index, layer in enumerate(past.layers):
-            layer.__dict__.pop("keys", None), layer.__dict__.pop("values", None)
-            layer.__dict__.pop("_keys", None), layer.__dict__.pop("_values", None)
-            layer.__class__ = graph_layer
+            for name in ("keys", "values", "_keys", "_values", "cumulative_length", "_cumulative_length"):
+                layer.__dict__.pop(name, None)
+            layer.__class__ = self._layer_types[index][1]
             layer._graph = (self, index)
             layer.device, layer.is_initialized = torch.device("cpu"), True  # a prompt run here: never initialised
         import weakref
@@ -520,9 +677,8 @@ class GraphDecoder:
         if owner is not None:
             for layer in owner.layers:
                 if getattr(layer, "_graph", None) is not None and layer._graph[0] is self:
-                    keys, values = layer.keys.clone(), layer.values.clone()
-                    layer._graph = None
-                    layer.keys, layer.values = keys, values
+                    layer._release()   # views of the rows, then copies: the buffers get new rows
+                    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
         self.owner = None
 
     def _run(self, tokens: list[int], start: int, keep: int) -> torch.Tensor:
