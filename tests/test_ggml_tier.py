@@ -62,10 +62,18 @@ def test_read_ahead_changes_no_count_and_no_logit(model_file):
     runs = []
     for ahead in (True, False):
         model = _tiered(model_file)
-        if not ahead:
+        if ahead:
+            model._expertcache_graph.prefetch.min_precision = 0.0   # read every guess, however poor
+        else:
             model._expertcache_graph.spec.prefetch = None
         out = model.generate(PROMPT, **KW)
-        d = model.expertcache.stats().pool["tier"]["decode"]
+        tier = model.expertcache.stats().pool["tier"]
+        d = tier["decode"]
+        if ahead:  # every guessed expert missing from the tier was read; those a step loaded were used
+            p = tier["prefetch"]
+            assert p["read_ahead"] == p["guessed_missing"] > 0
+            assert p["used"] == p["guessed_right"] > 0
+            assert p["used"] + p["wasted"] + p["pending"] == p["read_ahead"]
         runs.append((out, {k: d[k] for k in ("accesses", "ram_hits", "file_reads", "file_bytes")}))
     (a, ca), (b, cb) = runs
     assert ca == cb

@@ -227,18 +227,30 @@ class Prefetch:
     (``staging[part]`` ``[width, stride]``) on the tier's reader threads.
 
     One batch at a time: ``issue`` first waits for what is left of the last batch (long read
-    by then) and counts it wasted; ``take`` hands a step the bytes of an expert it loads."""
+    by then) and counts it wasted; ``take`` hands a step the bytes of an expert it loads.
 
-    def __init__(self, store, width: int) -> None:
-        self.store, self.width = store, width
+    Reads ahead only while they pay: every guess is scored (of the guessed experts missing from
+    the tier, the share the step then loaded), read or not, and a batch is read while the
+    recent precision (a moving average) is at least ``min_precision``. A wasted read costs the
+    disk and the cores what a used one saves (one expert each), so below about one in two the
+    guesses slow decode down; a model whose layers route alike reads ahead, one that does not
+    stops after a few tokens and is scored on."""
+
+    def __init__(self, store, width: int, min_precision: float = 0.5) -> None:
+        self.store, self.width, self.min_precision = store, width, min_precision
         self.staging = {p: np.zeros((width, s), np.uint8) for p, s in store.stride.items()}
         self.layer: int | None = None
         self.batch: dict[int, tuple[int, list, float]] = {}  # expert -> (staging row, futures, start)
+        self.guess: set[int] = set()   # the last guess's experts missing from the tier (read or not)
+        self.loaded = 0                # of those, loaded by their step
+        self.precision = 1.0           # moving average of loaded / guessed-missing: starts reading
         self.reset()
 
     def reset(self) -> None:
         self.guessed = 0     # experts guessed (top-k of the next layer's router on this layer's input)
-        self.read = len(self.batch)  # of those, read ahead (not in the tier when guessed; in flight counted)
+        self.missing = 0     # of those, not in the tier when guessed
+        self.right = 0       # of those, loaded by their step (read ahead or not)
+        self.read = len(self.batch)  # read ahead (in flight counted)
         self.used = 0        # read ahead and then loaded by their step
         self.wasted = 0      # read ahead and not loaded
         self.wasted_bytes = 0
@@ -250,11 +262,12 @@ class Prefetch:
         base = layer * self.store.num_experts
         self.guessed += len(experts)
         missing = [e for e in experts if table.slot_of(base + e) is None][:self.width]
-        if not missing:
+        self.missing += len(missing)
+        self.layer, self.guess, self.loaded = layer, set(missing), 0
+        if not missing or self.precision < self.min_precision:
             return
         for f in self.store.files.values():  # a file changed under us: caught before reading from it
             f.check()
-        self.layer = layer
         for row, e in enumerate(missing):
             t0 = time.perf_counter()
             self.batch[e] = (row, self.store.reader.submit(self.store._jobs(layer, e, self.staging, row)), t0)
@@ -262,7 +275,11 @@ class Prefetch:
 
     def take(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> ReadCounters | None:
         """Copy ``expert``'s bytes into ``dst[part][row]`` if it was read ahead: its counters."""
-        if layer != self.layer or expert not in self.batch:
+        if layer != self.layer or expert not in self.guess:
+            return None
+        self.loaded += 1
+        self.right += 1
+        if expert not in self.batch:
             return None
         at, futures, t0 = self.batch.pop(expert)
         got = ReadPool.collect(futures, t0)
@@ -273,15 +290,19 @@ class Prefetch:
         return got
 
     def drain(self) -> None:
-        """Wait for the batch's unused reads (they write the staging rows) and count them wasted."""
+        """Score the last guess; wait for its unused reads (they write the staging rows): wasted."""
+        if self.guess:
+            self.precision = 0.8 * self.precision + 0.2 * self.loaded / len(self.guess)
         for _, futures, t0 in self.batch.values():
             got = ReadPool.collect(futures, t0)
             self.wasted += 1
             self.wasted_bytes += got.bytes
-        self.batch, self.layer = {}, None
+        self.batch, self.layer, self.guess, self.loaded = {}, None, set(), 0
 
     def stats(self) -> dict:
-        return {"guessed": self.guessed, "read_ahead": self.read, "used": self.used, "wasted": self.wasted,
+        return {"guessed": self.guessed, "guessed_missing": self.missing, "guessed_right": self.right,
+                "precision": round(self.precision, 3), "min_precision": self.min_precision,
+                "read_ahead": self.read, "used": self.used, "wasted": self.wasted,
                 "pending": len(self.batch),  # the last batch's unused reads: counted wasted at the next
                 "used_bytes": self.used_bytes, "wasted_bytes": self.wasted_bytes,
                 "staging_bytes": sum(a.nbytes for a in self.staging.values())}
