@@ -615,13 +615,12 @@ def _past(kwargs: dict):
     return kwargs.get("past_key_values") if past is None else past
 
 
-def attach(model: torch.nn.Module, cache, choice: str = "auto") -> tuple[str, str]:
-    """Decode through one graph a token where this model allows it: ('on' | 'off', why)."""
+def attach(model: torch.nn.Module, cache, choice: str = "auto", decoder_class=None) -> tuple[str, str]:
+    """Decode through one graph a token where this model allows it: ('on' | 'off', why).
+    ``decoder_class``: a ``GraphDecoder`` subclass (the RAM tier's: runtime/ggmltier.py)."""
     if choice == "off":
         return "off", "cpu_graph='off' asked for"
-    decoder_class = GraphDecoder
-    if getattr(cache, "tier", None) is not None:  # experts from the RAM tier's rows
-        from .ggmltier import TierGraphDecoder as decoder_class
+    decoder_class = decoder_class or GraphDecoder
     try:
         decoder = decoder_class(model, cache, model.forward)
     except Unsupported as err:

@@ -48,6 +48,7 @@ from ..quant.ggmlgraph import GGML_TYPE_F32, GGML_TYPE_I32
 from ..stats import DECODE, PREFILL
 from .directio import ReadCounters, ReadPool
 from .ggmlgraph import _CHUNK, GraphDecoder, Unsupported, _Spec, _StepGraph
+from .ggmlgraph import attach as _attach
 
 _TIER_FAMILIES = {"qwen3_moe", "qwen2_moe"}  # the experts built here: SiLU(gate) * up, no biases
 
@@ -330,3 +331,8 @@ class TierGraphDecoder(GraphDecoder):
         if self.enabled and ids.shape[1] > _CHUNK:  # whatever else it asks: a chunk is the most
             return f"a prompt over {_CHUNK} tokens with the RAM tier (the tier steps a layer once a forward)"
         return why
+
+
+def attach(model, cache, choice: str = "auto") -> tuple[str, str]:
+    """``ggmlgraph.attach`` for a model whose experts live in the RAM tier."""
+    return _attach(model, cache, choice, TierGraphDecoder)
