@@ -6,9 +6,12 @@ bytes by ggml; 32 sampled tokens, seeded) in a memory cgroup (v1, ``memory.limit
 Each tier budget (``--shares``, default 25 and 50% of the experts) is run against mmap in one
 limit, the same for both:
 
-- ``mmap``: ``host_memory='mmap'``, the file's pages cached by the OS inside the limit;
+- ``mmap``: ``host_memory='mmap'``, the file's pages cached by the OS inside the limit (experts
+  read in place: ``cpu_repack='off'``);
 - ``tiered N%``: ``host_memory='tiered'``, a RAM tier of that share of the experts, the rest
-  read with O_DIRECT.
+  read with O_DIRECT, decoded as one ggml graph a token (runtime/ggmltier.py);
+- ``tiered N% per-layer`` (``--per-layer``): the same tier on the per-layer path
+  (``cpu_graph='off'``), what tiered decode was before the graph read the tier.
 
 The limit of a pair is the peak RSS of a calibration run of its tier (no limit) plus
 ``--slack`` (128 MiB: at 64 MiB the dense weights' page cache thrashed in the 50% limit).
@@ -126,7 +129,7 @@ def child(spec: dict) -> None:
               "disk_read_bytes": after["read_bytes"] - before["read_bytes"],
               "rchar": after["rchar"] - before["rchar"], "tokens": out[0].tolist(),
               "peak_rss": _status("VmHWM"), "ggml_threads": ggml_threads(), "tier": tier,
-              "host_memory": cache.host_mode[0]}
+              "host_memory": cache.host_mode[0], "cpu_graph": cache.cpu_graph}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -193,6 +196,8 @@ def main() -> None:
                     "per tier budget")
     ap.add_argument("--shares", type=int, nargs="+", default=[25, 50], help="tier budgets, %% of the experts")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of every configuration (best one shown)")
+    ap.add_argument("--per-layer", action="store_true", help="also run each tier on the per-layer path "
+                    "(cpu_graph='off'): before and after the one-graph decode, side by side")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
@@ -236,8 +241,13 @@ def main() -> None:
             limit = limits[share]["limit"]
             cgroup, cg_text = make_cgroup("expertcache-tiers", limit)
             limits[share]["cgroup"] = cg_text
-            for label, settings in ((f"mmap ({share}% limit)", dict(host_memory="mmap")),
-                                    (f"tiered {share}%", _tier(share))):
+            # mmap reads its experts in place through the page cache (cpu_repack='auto' would copy every
+            # expert into RAM for ggml's repacked kernels: it sizes by free RAM, not the cgroup's limit)
+            configs = [(f"mmap ({share}% limit)", dict(host_memory="mmap", cpu_repack="off")),
+                       (f"tiered {share}%", _tier(share))]
+            if args.per_layer:
+                configs.append((f"tiered {share}% per-layer", dict(_tier(share), cpu_graph="off")))
+            for label, settings in configs:
                 r = run(model, label, settings, args.tokens, args.threads, cgroup)
                 r.update(limit=limit, pair=share, round=rnd + 1)
                 _score(r, ref, bandwidth)
@@ -269,10 +279,12 @@ def main() -> None:
         per_round = []  # the same ratios side by side within each round
         for rnd in rounds:
             by = {r["label"]: r for r in rnd["runs"] if "error" not in r}
-            a, b = by.get("tiered 25%"), by.get("mmap (25% limit)")
+            a, b, c = by.get("tiered 25%"), by.get("mmap (25% limit)"), by.get("tiered 25% per-layer")
             if a and b:
                 per_round.append({"speedup_25_vs_mmap": a["tok_s"] / b["tok_s"],
-                                  "disk_bytes_ratio_25_vs_mmap": a["disk_bytes_per_token"] / b["disk_bytes_per_token"]})
+                                  "disk_bytes_ratio_25_vs_mmap": a["disk_bytes_per_token"] / b["disk_bytes_per_token"],
+                                  "of_bound_25": a["of_bound"], "of_disk_bound_25": a["of_disk_bound"],
+                                  **({"graph_vs_per_layer_25": a["tok_s"] / c["tok_s"]} if c else {})})
         doc["goals"]["per_round"] = per_round
         print("goals:", json.dumps(doc["goals"]))
     print(doc["uptime"])
@@ -306,23 +318,26 @@ def _line(r: dict, format_size) -> str:
     if "error" in r:
         return f"{r['label']}: {r['error']}"
     hit = "-" if r["ram_hit_rate"] is None else f"{r['ram_hit_rate']:.3f}"
-    return (f"{r['label']} (limit {format_size(r['limit'])}): {r['tok_s']:.2f} tok/s, "
+    ahead = (r["tier"] or {}).get("prefetch")
+    ahead = "" if not ahead else f", read ahead {ahead['read_ahead']} experts ({ahead['used']} used)"
+    return (f"{r['label']} (limit {format_size(r['limit'])}, graph {r.get('cpu_graph')}{ahead}): {r['tok_s']:.2f} tok/s, "
             f"{format_size(r['disk_bytes_per_token'])} from disk per token, RAM hits {hit}, "
             f"{r['of_disk_bound']:.2f} of the disk bound, {r['of_bound']:.2f} of min(disk, all-in-RAM), "
             f"tokens equal: {r['tokens_equal_reference']}")
 
 
 def _table(rows: list[dict], format_size) -> None:
-    print(f"{'config':<18}{'limit':>12}{'tok/s':>8}{'disk/token':>14}{'RAM hits':>10}{'disk bound':>12}"
-          f"{'of bound':>10}{'peak cgroup':>13}")
+    # of disk: tok/s over the disk bound; of bound: over min(disk bound, all-in-RAM tok/s)
+    print(f"{'config':<28}{'graph':>6}{'limit':>12}{'tok/s':>8}{'disk/token':>14}{'RAM hits':>10}"
+          f"{'disk bound':>12}{'of disk':>9}{'of bound':>10}{'peak cgroup':>13}")
     for r in rows:
         if "error" in r:
-            print(f"{r['label']:<18} error")
+            print(f"{r['label']:<28} error")
             continue
         hit = "-" if r["ram_hit_rate"] is None else f"{r['ram_hit_rate']:.3f}"
-        print(f"{r['label']:<18}{format_size(r['limit']):>12}{r['tok_s']:>8.2f}"
+        print(f"{r['label']:<28}{r.get('cpu_graph', '?'):>6}{format_size(r['limit']):>12}{r['tok_s']:>8.2f}"
               f"{format_size(r['disk_bytes_per_token']):>14}{hit:>10}{r['disk_bound_tok_s'] or 0:>12.1f}"
-              f"{r['of_bound']:>10.2f}{format_size(r.get('cgroup_max_usage', 0)):>13}")
+              f"{r['of_disk_bound'] or 0:>9.2f}{r['of_bound']:>10.2f}{format_size(r.get('cgroup_max_usage', 0)):>13}")
 
 
 def _machine() -> str:

@@ -192,7 +192,10 @@ def test_summary_says_why_the_graph_is_off(tmp_path):
     assert cpu["cpu_graph"] == "on"  # every expert computed from the host's bytes, as resident
     tiered = expertcache.offload(path, device="cpu", baseline="resident", host_memory="tiered",
                                  host_budget=0.5).expertcache.summary()
-    assert tiered["cpu_graph"] == "off" and "RAM tier holds a share" in tiered["cpu_graph_reason"]
+    assert tiered["cpu_graph"] == "on" and "experts from the RAM tier's rows" in tiered["cpu_graph_reason"]
+    tiered_cpu = expertcache.offload(path, device="cpu", baseline="cpu", host_memory="tiered",
+                                     host_budget=0.5).expertcache.summary()     # runtime/ggmltier.py
+    assert tiered_cpu["cpu_graph"] == "off" and "tiered' with slots or baseline 'cpu'" in tiered_cpu["cpu_graph_reason"]
     with pytest.raises(ValueError, match="cpu_graph"):
         expertcache.offload(path, device="cpu", baseline="resident", cpu_graph="on")
 

@@ -88,9 +88,12 @@ def test_cli_takes_the_tier_flags(model_file, capsys):
 def test_tokens_equal_all_in_ram_and_sim_equals_live(model_file, want, settings):
     model = expertcache.offload(model_file, device="cpu", host_memory="tiered", host_budget=0.25, **settings)
     cache = model.expertcache
-    trace = record(model, PROMPT, NEW)  # a cold run, its routing recorded
+    # a cold run: through the one-graph decode where it runs (resident: runtime/ggmltier.py)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False), want)
     live = cache.stats().pool["tier"]
-    assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False), want)  # and warm
+    graph = getattr(model, "_expertcache_graph", None)
+    assert (graph is not None and graph.steps == NEW - 1) == (settings == dict(baseline="resident"))
+    trace = record(model, PROMPT, NEW)  # the same tokens, their routing recorded (on the eager path)
     gpu = 0 if cache.host_resident or settings.get("baseline") else 6
     sim = replay_tiers(trace, cache.tier.rows, "default", gpu, settings.get("eviction", "default"),
                        expert_bytes=cache.expert_bytes)
@@ -102,6 +105,9 @@ def test_tokens_equal_all_in_ram_and_sim_equals_live(model_file, want, settings)
     d = live["decode"]
     assert d["file_reads"] > 0 and d["ram_hits"] > 0  # the tier both hit and read
     assert d["file_bytes"] == d["file_reads"] * cache.expert_bytes  # each read: one expert's bytes
+    ahead = live.get("prefetch")  # the graph's read-ahead: its bytes not in file_bytes unless used
+    if ahead is not None:
+        assert ahead["used"] + ahead["wasted"] + ahead["pending"] == ahead["read_ahead"] > 0 and ahead["used"] <= d["file_reads"]
     assert d["disk_bytes"] >= d["file_bytes"] and d["read_seconds"] > 0
     assert "RAM tier" in str(cache.stats())
 
@@ -350,12 +356,12 @@ def test_reads_overlap_the_hits_and_the_logits_stay_bit_equal(model_file, monkey
     real = tiered._overlapped
     monkeypatch.setattr(tiered, "_overlapped", lambda *a: calls.append(1) or real(*a))
     kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    # the same per-layer ggml path all in RAM (a tiered run never takes the one-graph decode, whose
-    # rounding differs: docs/cpu.md)
+    # the per-layer ggml path, tiered and all in RAM (the one-graph decode's rounding differs from
+    # it: docs/cpu.md; the tier through the graph: tests/test_ggml_tier.py)
     ref = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy",
                               cpu_graph="off").generate(PROMPT, **kw)
     model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
-                                host_budget=0.25)
+                                host_budget=0.25, cpu_graph="off")
     got = model.generate(PROMPT, **kw)
     assert len(calls) > 0
     assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))

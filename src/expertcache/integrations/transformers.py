@@ -124,7 +124,10 @@ def _attach(model: torch.nn.Module, cache: ExpertCache) -> None:
     ForwardClock.of(model)  # times every forward from now on: model.expertcache.report()
     if cache.device.type == "cpu" and (cache.kernels is not None or report_of(model).kernel == "ggml"):
         DecodeThreads.attach(model)  # ggml's pool and torch's take turns (runtime/threads.py)
-        from ..runtime.ggmlgraph import attach as attach_graph
+        if cache.tier is None:
+            from ..runtime.ggmlgraph import attach as attach_graph
+        else:  # experts from the RAM tier's rows
+            from ..runtime.ggmltier import attach as attach_graph
 
         # decode as one ggml graph a token where the family allows (runtime/ggmlgraph.py)
         cache.cpu_graph, cache.cpu_graph_reason = attach_graph(model, cache, cache.config.cpu_graph)

@@ -39,7 +39,8 @@ clamped SwiGLU by ``swiglu_oai``). Others keep the eager path and ``support()`` 
 ``summary()['cpu_graph_reason']`` say why (Mixtral and OLMoE: transformers maps no GGUF of
 theirs; GPT-OSS from an HF MXFP4 checkpoint: gate and up alternate in one tensor).
 Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
-is computed from them); a run with a CPU slot cache keeps the per-layer path.
+is computed from them); a run with a CPU slot cache keeps the per-layer path; a resident run
+over the RAM tier (``host_memory='tiered'``) reads the tier's rows, in segments (runtime/ggmltier.py).
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def support(model: torch.nn.Module, cache) -> str | None:
 class _Spec:
     """The model's shape and weights, checked once: what a graph is built from."""
 
+    tiered = False  # experts from the RAM tier's rows: runtime/ggmltier.py's subclass
+
     def __init__(self, model: torch.nn.Module, cache) -> None:
         cfg = model.config
         self.family = getattr(cfg, "model_type", None)
@@ -125,7 +128,7 @@ class _Spec:
             raise Unsupported("slots cache experts: the graph reads the host's bytes (resident, baseline cpu)")
         if cache.planner is not None:
             raise Unsupported("planner='device'")
-        if getattr(cache, "tier", None) is not None:
+        if getattr(cache, "tier", None) is not None and not self.tiered:
             raise Unsupported("host_memory='tiered': the RAM tier holds a share of the experts, and the "
                               "graph reads every expert's bytes in place")
         self.cache = cache
@@ -453,8 +456,12 @@ class _StepGraph:
         self._filled = start + 1 if T == 1 else -1
         out = torch.empty(self.keep, self.spec.vocab)                             # [keep, V]
         self.logits.contents.data = out.data_ptr()
-        self.g.run()
+        self._compute()
         return out
+
+    def _compute(self) -> None:
+        """Run the graph (the RAM tier's graph runs it in segments: runtime/ggmltier.py)."""
+        self.g.run()
 
     def routed(self) -> list[np.ndarray]:
         """Each MoE layer's chosen experts of the last run, [T, K] int32 (views: copy to keep)."""
@@ -527,10 +534,13 @@ class GraphDecoder:
     ``DynamicCache``; every other forward (prefill, batches, a custom mask, gradients) goes to
     the eager forward, and the KV cache is handed over both ways."""
 
+    _spec_class, _graph_class = _Spec, _StepGraph  # the RAM tier's subclass: runtime/ggmltier.py
+    note = ""                                      # added to cpu_graph_reason
+
     def __init__(self, model: torch.nn.Module, cache, eager) -> None:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-        self.spec = _Spec(model, cache)   # raises Unsupported
+        self.spec = self._spec_class(model, cache)   # raises Unsupported
         self.cache, self.eager = cache, eager
         self.threads = ggml_threads()
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []    # per layer K, V [C, M*D] float32
@@ -703,7 +713,7 @@ class GraphDecoder:
             prompts = [k for k in self.graphs if k[0] > 1]
             if T > 1 and len(prompts) >= _PROMPT_GRAPHS:   # prompt lengths vary: keep a few graphs
                 del self.graphs[prompts[0]]
-            graph = self.graphs[key] = _StepGraph(self.spec, self.kv, T, self.threads, self.repacked, keep)
+            graph = self.graphs[key] = self._graph_class(self.spec, self.kv, T, self.threads, self.repacked, keep)
         return graph
 
     def _count(self, routed: list[list[np.ndarray]], T: int) -> None:
@@ -761,15 +771,17 @@ def _past(kwargs: dict):
     return kwargs.get("past_key_values") if past is None else past
 
 
-def attach(model: torch.nn.Module, cache, choice: str = "auto") -> tuple[str, str]:
-    """Decode through one graph a token where this model allows it: ('on' | 'off', why)."""
+def attach(model: torch.nn.Module, cache, choice: str = "auto", decoder_class=None) -> tuple[str, str]:
+    """Decode through one graph a token where this model allows it: ('on' | 'off', why).
+    ``decoder_class``: a ``GraphDecoder`` subclass (the RAM tier's: runtime/ggmltier.py)."""
     if choice == "off":
         return "off", "cpu_graph='off' asked for"
+    decoder_class = decoder_class or GraphDecoder
     try:
-        decoder = GraphDecoder(model, cache, model.forward)
+        decoder = decoder_class(model, cache, model.forward)
     except Unsupported as err:
         return "off", f"{err}: per-layer ggml and torch ops"
     model.forward = decoder   # an instance attribute: nn.Module.__call__ (and its hooks) runs it
     model._expertcache_graph = decoder
     return "on", (f"one ggml graph a forward ({decoder.spec.family}, {len(decoder.spec.layers)} layers, "
-                  f"{decoder.threads} threads; prompts in chunks of {_CHUNK}); {decoder.repack_reason}")
+                  f"{decoder.threads} threads; prompts in chunks of {_CHUNK}); {decoder.repack_reason}{decoder.note}")

@@ -89,6 +89,7 @@ class TieredStore:
         self._np = {p: t.numpy() for p, t in self.pool.items()}
         self.reader = ReadPool(threads)
         self.before_write = None  # set by the engine with CUDA: waits for copies out of the rows
+        self.ahead = None  # the graph decode's read-ahead (runtime/ggmltier.py Prefetch), counted here
         self.reset_stats()
 
     # -- one step ---------------------------------------------------------------------
@@ -102,14 +103,19 @@ class TieredStore:
         self.finish(pending)
         return pending.compact, pending.rows
 
-    def start(self, layer: int, experts: list[int], phase: int) -> Pending:
+    def start(self, layer: int, experts: list[int], phase: int, ahead=None) -> Pending:
         """Plan the step and start its reads; ``finish`` waits for them. Rows of the step's RAM hits
-        can be read meanwhile (reads only write the rows of the experts in ``Pending.reading``)."""
+        can be read meanwhile (reads only write the rows of the experts in ``Pending.reading``).
+
+        ``ahead(layer, expert, dst, row)``: an expert read ahead of its step (the graph's prefetch,
+        runtime/ggmltier.py) copied into ``dst[part][row]``, its ``ReadCounters``; or None: read it
+        now. The table plans the step either way: its counts do not depend on the prefetch."""
         plan = self.table.step(layer, experts, phase)
         base = layer * self.num_experts
         rows = {key - base: slot for key, slot in plan.hits.items()}
         rows.update((key - base, slot) for key, slot in plan.loads.items())
-        jobs = [job for key, slot in plan.loads.items() for job in self._jobs(layer, key - base, self._np, slot)]
+        jobs = [job for key, slot in plan.loads.items()
+                for job in self._fill(layer, key - base, self._np, slot, phase, ahead)]
         pending = Pending(rows, {key - base for key in plan.loads}, phase)
         if plan.bypasses:  # wider than the tier: every expert of the step into one compact copy
             width = len(rows) + len(plan.bypasses)
@@ -120,7 +126,7 @@ class TieredStore:
                         compact[p][i] = self._np[p][slot]
                 rows[e] = i
             for i, key in enumerate(plan.bypasses, start=len(rows)):
-                jobs += self._jobs(layer, key - base, compact, i)
+                jobs += self._fill(layer, key - base, compact, i, phase, ahead)
                 rows[key - base] = i
             pending.compact = compact
             pending.copies = {rows[key - base]: slot for key, slot in plan.loads.items()}
@@ -148,6 +154,17 @@ class TieredStore:
                 pending.compact[p][row] = self._np[p][slot]
         pending.copies = {}
 
+    def _fill(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int, phase: int, ahead) -> list:
+        """The reads that put ``expert`` into ``dst[part][row]``: none where ``ahead`` had it."""
+        if ahead is not None:
+            t = time.perf_counter()
+            got = ahead(layer, expert, dst, row)
+            if got is not None:  # its bytes count as this step's read (what the table counts)
+                self.counts[phase].add(got)
+                self.waited[phase] += time.perf_counter() - t
+                return []
+        return self._jobs(layer, expert, dst, row)
+
     def _jobs(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> list:
         out = []
         for p, rng in self.layers[layer].items():
@@ -161,6 +178,8 @@ class TieredStore:
         self.counts = [ReadCounters(), ReadCounters()]  # [phase]
         self.waited = [0.0, 0.0]  # [phase] seconds a step waited for its reads (the rest overlapped)
         self.tokens = [0, 0]
+        if getattr(self, "ahead", None) is not None:
+            self.ahead.reset()
 
     def stats(self) -> dict:
         """RAM-tier hits, file reads (experts), bytes read per phase and per decode token, read time."""
@@ -176,6 +195,8 @@ class TieredStore:
                          "file_bytes": c.bytes, "disk_bytes": c.disk_bytes, "read_seconds": round(c.seconds, 6),
                          "wait_seconds": round(self.waited[phase], 6),
                          "tokens": tok, "file_bytes_per_token": c.bytes / tok if tok else 0.0}
+        if self.ahead is not None:  # reads ahead of decode steps; file_bytes holds the used ones
+            out["prefetch"] = self.ahead.stats()
         return out
 
     def summary_line(self) -> str:
@@ -185,7 +206,10 @@ class TieredStore:
         return (f"RAM tier: {s['rows']} experts ({format_size(s['bytes'])}), {s['policy']}; decode RAM hits "
                 f"{rate:.1%}, {d['file_reads']} experts read from the file, "
                 f"{format_size(d['file_bytes_per_token'])} per token, {d['read_seconds']:.2f} s reading, "
-                f"{d['wait_seconds']:.2f} s of it waited for ({s['reads']}: {s['read_reason']})")
+                f"{d['wait_seconds']:.2f} s of it waited for ({s['reads']}: {s['read_reason']})"
+                + ("" if self.ahead is None else
+                   f"; read ahead {s['prefetch']['read_ahead']} experts, {s['prefetch']['used']} used, "
+                   f"{format_size(s['prefetch']['wasted_bytes'])} read for nothing"))
 
     def close(self) -> None:
         self.reader.close()

@@ -1,0 +1,338 @@
+"""The one-ggml-graph decode (runtime/ggmlgraph.py) over the RAM tier (runtime/tiered.py).
+
+``host_memory='tiered'`` keeps ``host_budget`` experts in rows of its own buffers
+(``TieredStore.pool[part]`` ``[R, stride]``) and reads the rest from the file as steps need
+them. Here the graph's ``mul_mat_id`` reads those rows: each MoE layer's expert weights are a
+leaf over the pool (``[cols, rows, max(R, E)]``, row stride the pool's), and its ids are an
+input of row numbers (``rid`` ``[K, T]``) that Python fills once the layer's routing is known.
+
+So the graph runs in segments, split after each MoE router (the router's top-k is expanded
+into the graph before the layer's experts; ``ggml_graph_add_node`` copies each span of nodes
+into a graph of its own, all sharing the allocation the whole graph got):
+
+    segment 0: embedding .. layer 0's attention and router
+    -- Python: layer 0's top-k -> the tier's step (reads of the missing experts) -> rid_0
+    segment 1: layer 0's experts .. layer 1's attention and router
+    ...
+    segment L: the last layer's experts, the final norm, the lm_head
+
+The tier's step is the eager path's (``TieredStore.start`` / ``finish``: the same table, the
+same order of steps), so its counters equal ``sim``'s replay as before. A step wider than the
+tier (a prompt's bypasses) points the layer's leaves at the step's compact copy instead.
+
+Read-ahead (decode steps): layer l+1's router applied to layer l's MoE input (the residual
+stream changes little from one layer to the next) guesses layer l+1's experts; those not in
+the tier are read into staging rows on the reader threads while segment l+1 computes. When
+layer l+1's step loads one of them, its bytes are copied from the staging row instead of read
+(``Prefetch.take``); the table plans the step as without the guess, so hits, loads and
+evictions do not change. ``stats()['tier']['prefetch']`` counts experts read ahead, those a
+step used and the bytes read for nothing.
+
+What the graph computes is what the resident graph computes (the same ``mul_mat_id`` on the
+same bytes, one (token, expert) pair at a time), bit for bit where the resident graph reads
+its experts unrepacked (``cpu_repack='off'``; the tier's rows are never repacked).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+import torch
+
+from ..quant import ggml
+from ..quant import ggmlgraph as gg
+from ..quant.ggml import _InitParams, _Tensor
+from ..quant.ggmlgraph import GGML_TYPE_F32, GGML_TYPE_I32
+from ..stats import DECODE, PREFILL
+from .directio import ReadCounters, ReadPool
+from .ggmlgraph import _CHUNK, GraphDecoder, Unsupported, _Spec, _StepGraph
+from .ggmlgraph import attach as _attach
+
+_TIER_FAMILIES = {"qwen3_moe", "qwen2_moe"}  # the experts built here: SiLU(gate) * up, no biases
+
+_declared_for = None
+
+
+def _declare() -> None:
+    """The node-copying functions, declared on the handle loaded now (ggmlgraph._declare's reason)."""
+    global _declared_for
+    base = ggml._LIBS[0]
+    if _declared_for is base:
+        return
+    P, T = ctypes.c_void_p, ctypes.POINTER(_Tensor)
+    for name, restype, argtypes in [("ggml_graph_n_nodes", ctypes.c_int, [P]),
+                                    ("ggml_graph_node", T, [P, ctypes.c_int]),
+                                    ("ggml_graph_add_node", None, [P, T])]:
+        fn = getattr(base, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    _declared_for = base
+
+
+class _TierSpec(_Spec):
+    """The model as ``_Spec`` reads it, its experts in the RAM tier: ``moe['tier']`` lists each
+    part's (ggml type, rows, cols, part name); ``moe['experts']`` is empty, so nothing of the
+    tier is repacked (its rows change as experts come and go)."""
+
+    tiered = True
+
+    def __init__(self, model, cache) -> None:
+        if getattr(cache, "tier", None) is None:
+            raise Unsupported("no RAM tier")
+        if not cache.host_resident:
+            raise Unsupported("host_memory='tiered' with slots or baseline 'cpu': the graph reads the tier's rows "
+                              "in a resident run only")
+        family = getattr(model.config, "model_type", None)
+        if family not in _TIER_FAMILIES:
+            raise Unsupported(f"{family} with the RAM tier: not built as one graph yet")
+        super().__init__(model, cache)
+        self.store = cache.tier
+        self.prefetch: Prefetch | None = None  # set by the decoder
+        for L in self.layers:
+            if "moe" in L:
+                kernel = cache.kernels[L["moe"]["index"]]
+                parts = (*kernel.first.parts, *kernel.down.parts)  # gate, up (or gate_up), down
+                L["moe"]["tier"] = [(kernel.part[p].fmt.ggml_type, *kernel.part[p].shape, p) for p in parts]
+                L["moe"]["experts"] = []
+
+
+class _TierStepGraph(_StepGraph):
+    """``_StepGraph`` whose experts are rows of the RAM tier, run in segments (module docstring)."""
+
+    def __init__(self, spec: _TierSpec, kv, tokens: int, n_threads: int, repacked=None, keep: int = 0) -> None:
+        _declare()
+        self._moe_specs = [L["moe"] for L in spec.layers if "moe" in L]
+        self._splits: list[int] = []          # node count after each MoE layer's router
+        self._rid: list[tuple] = []           # per MoE layer: (rid tensor, its address)
+        self._leaves: list[dict] = []         # per MoE layer: part -> weight leaf over the pool
+        self._guesses: list = []              # per MoE layer: the next layer's guessed top-k, or None
+        super().__init__(spec, kv, tokens, n_threads, repacked, keep)
+        T = tokens
+        self._rid_views = [gg.int32_array(addr, (T, gg.ne(t)[0])) for t, addr in self._rid]        # [T, K]
+        self._guess_views = [None if t is None else gg.int32_array(gg.view_src(t), (T, gg.ne(gg.view_src(t))[0]))
+                             [:, :gg.ne(t)[0]] for t in self._guesses]                               # [T, K']
+        self._segments(n_threads)
+        self._held = None  # a compact copy the next segment reads (a step wider than the tier)
+
+    # -- build ---------------------------------------------------------------------------
+    def _moe(self, moe: dict, h):
+        # T tokens, H hidden, E experts, K top-k, R rows of the tier, I expert FF
+        g, T, H = self.g, self.tokens, self.spec.hidden
+        K, router = moe["top_k"], moe["router"]
+        E = router.shape[0]
+        i = len(self.ids)                                                          # this MoE layer's rank
+        probs = g.soft_max(g.mul_mat(g.leaf(GGML_TYPE_F32, (H, E), router.data_ptr()), h))   # [E, T]
+        sel = g.argsort_top_k(probs, K)                                            # [K, T] expert ids
+        self.ids.append(sel)
+        guess = None
+        if T == 1 and i + 1 < len(self._moe_specs):  # decode: guess the next layer's experts from h
+            nxt = self._moe_specs[i + 1]
+            nr = nxt["router"]
+            guess = g.argsort_top_k(g.mul_mat(g.leaf(GGML_TYPE_F32, (H, nr.shape[0]), nr.data_ptr()), h),
+                                    nxt["top_k"])                                  # [K', 1]
+            g._base.ggml_set_output(gg.view_src(guess))                           # read after its segment
+            g.expand(guess)
+        self._guesses.append(guess)
+        g.expand(sel)                                                              # the segment ends here
+        self._splits.append(g._base.ggml_graph_n_nodes(g.graph))
+        w = g.get_rows(g.reshape_3d(probs, 1, E, T), sel)                          # [1, K, T]
+        if moe["norm"]:
+            w2 = g.reshape_2d(w, K, T)
+            w = g.reshape_3d(g.div(w2, g.sum_rows(w2)), 1, K, T)
+        rid, addr = g.input(GGML_TYPE_I32, (K, T), 4)                              # [K, T] rows of the tier
+        self._rid.append((rid, addr))
+        store = self.spec.store
+        rows = max(store.rows, store.num_experts)  # a compact copy (one step's experts) may be wider than R
+        leaves = {p: g.leaf(t, (cols, n, rows), store.pool[p].data_ptr(), stride=store.stride[p])
+                  for t, n, cols, p in moe["tier"]}                                 # [cols, rows_p, R]
+        self._leaves.append(leaves)
+        weights = list(leaves.values())
+        hx = g.reshape_3d(h, H, 1, T)
+        if len(weights) == 3:   # gate, up, down
+            gate, up = g.mul_mat_id(weights[0], hx, rid), g.mul_mat_id(weights[1], hx, rid)   # [I, K, T]
+        else:                   # one fused gate_up [2I]: gate rows first
+            gu = g.mul_mat_id(weights[0], hx, rid)                                  # [2I, K, T]
+            half = gg.ne(gu)[0] // 2
+            gate = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), 0)
+            up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
+        ex = g.mul(g.mul_mat_id(weights[-1], g.swiglu_split(gate, up), rid), w)    # [H, K, T]
+        return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), H, T)  # [H, T]
+
+    def _segments(self, n_threads: int) -> None:
+        """Each span of nodes between two routers as a graph of its own, planned for the same
+        threads; one work buffer, the largest any of them needs."""
+        b, c, graph = self.g._base, self.g._cpu, self.g.graph
+        bounds = [0, *self._splits, b.ggml_graph_n_nodes(graph)]
+        spans = list(zip(bounds, bounds[1:]))
+        size = sum(b.ggml_graph_overhead_custom(max(hi - lo, 1), False) for lo, hi in spans) + 4096
+        self._ctx = b.ggml_init(_InitParams(size, None, True))
+        self._segs = []
+        for lo, hi in spans:
+            seg = b.ggml_new_graph_custom(self._ctx, max(hi - lo, 1), False)
+            for n in range(lo, hi):
+                b.ggml_graph_add_node(seg, b.ggml_graph_node(graph, n))
+            self._segs.append((seg, c.ggml_graph_plan(seg, n_threads, self.g._pool)))
+        self._seg_work = ctypes.create_string_buffer(max(max(p.work_size for _, p in self._segs), 1))
+        for _, plan in self._segs:
+            plan.work_data = ctypes.addressof(self._seg_work)
+        self._seg_refs = [(seg, ctypes.byref(plan)) for seg, plan in self._segs]
+
+    # -- run -------------------------------------------------------------------------------
+    def _compute(self) -> None:
+        cache, store, T = self.spec.cache, self.spec.store, self.tokens
+        phase = cache.phase if cache.phase is not None else (PREFILL if T > 1 else DECODE)
+        store.tokens[phase] += T                 # what the eager path counts at layer 0
+        if self.spec.prefetch is not None:
+            self.spec.prefetch.drain()           # guesses of the last forward are spent
+        run = self.g._compute
+        for i, (seg, plan) in enumerate(self._seg_refs):
+            status = run(seg, plan)
+            if status != 0:
+                raise RuntimeError(f"ggml_graph_compute failed with status {status} (segment {i})")
+            if i < len(self._moe_specs):
+                self._step(i, phase)
+        self._held = None
+
+    def _step(self, i: int, phase: int) -> None:
+        """MoE layer i's routing is known: its experts into rows of the tier (read where
+        missing), its row ids into ``rid``; the next layer's guessed experts read ahead."""
+        store, prefetch = self.spec.store, self.spec.prefetch
+        layer = self._moe_specs[i]["index"]
+        ids = self._ids_views[i]                                                    # [T, K] expert ids
+        experts = list(dict.fromkeys(ids.reshape(-1).tolist()))  # rank order, as the eager step asks
+        pending = store.start(layer, experts, phase, None if prefetch is None else prefetch.take)
+        guess = self._guess_views[i]
+        if prefetch is not None and guess is not None:  # queued behind this step's own reads
+            prefetch.issue(self._moe_specs[i + 1]["index"], guess.reshape(-1).tolist())
+        store.finish(pending)
+        lut = np.zeros(store.num_experts, np.int32)
+        lut[list(pending.rows)] = list(pending.rows.values())
+        self._rid_views[i][:] = lut[ids]                                            # [T, K] rows
+        src = store._np if pending.compact is None else pending.compact
+        for p, leaf in self._leaves[i].items():
+            leaf.contents.data = src[p].ctypes.data
+        self._held = pending.compact  # alive until the segment reading it ran
+
+    def __del__(self) -> None:
+        if ggml._LIBS and getattr(self, "_ctx", None):
+            self.g._base.ggml_free(self._ctx)
+            self._ctx = None
+        super_del = getattr(super(), "__del__", None)
+        if super_del is not None:
+            super_del()
+
+
+class Prefetch:
+    """Experts of the next MoE layer, guessed, read ahead into ``width`` staging rows
+    (``staging[part]`` ``[width, stride]``) on the tier's reader threads.
+
+    One batch at a time: ``issue`` first waits for what is left of the last batch (long read
+    by then) and counts it wasted; ``take`` hands a step the bytes of an expert it loads.
+
+    Reads ahead only while they pay: every guess is scored (of the guessed experts missing from
+    the tier, the share the step then loaded), read or not, and a batch is read while the
+    recent precision (a moving average) is at least ``min_precision``. A wasted read costs the
+    disk and the cores what a used one saves (one expert each), so below about one in two the
+    guesses slow decode down; a model whose layers route alike reads ahead, one that does not
+    stops after a few tokens and is scored on."""
+
+    def __init__(self, store, width: int, min_precision: float = 0.5) -> None:
+        self.store, self.width, self.min_precision = store, width, min_precision
+        self.staging = {p: np.zeros((width, s), np.uint8) for p, s in store.stride.items()}
+        self.layer: int | None = None
+        self.batch: dict[int, tuple[int, list, float]] = {}  # expert -> (staging row, futures, start)
+        self.guess: set[int] = set()   # the last guess's experts missing from the tier (read or not)
+        self.loaded = 0                # of those, loaded by their step
+        self.precision = 1.0           # moving average of loaded / guessed-missing: starts reading
+        self.reset()
+
+    def reset(self) -> None:
+        self.guessed = 0     # experts guessed (top-k of the next layer's router on this layer's input)
+        self.missing = 0     # of those, not in the tier when guessed
+        self.right = 0       # of those, loaded by their step (read ahead or not)
+        self.read = len(self.batch)  # read ahead (in flight counted)
+        self.used = 0        # read ahead and then loaded by their step
+        self.wasted = 0      # read ahead and not loaded
+        self.wasted_bytes = 0
+        self.used_bytes = 0
+
+    def issue(self, layer: int, experts: list[int]) -> None:
+        self.drain()
+        table = self.store.table
+        base = layer * self.store.num_experts
+        self.guessed += len(experts)
+        missing = [e for e in experts if table.slot_of(base + e) is None][:self.width]
+        self.missing += len(missing)
+        self.layer, self.guess, self.loaded = layer, set(missing), 0
+        if not missing or self.precision < self.min_precision:
+            return
+        for f in self.store.files.values():  # a file changed under us: caught before reading from it
+            f.check()
+        for row, e in enumerate(missing):
+            t0 = time.perf_counter()
+            self.batch[e] = (row, self.store.reader.submit(self.store._jobs(layer, e, self.staging, row)), t0)
+        self.read += len(missing)
+
+    def take(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> ReadCounters | None:
+        """Copy ``expert``'s bytes into ``dst[part][row]`` if it was read ahead: its counters."""
+        if layer != self.layer or expert not in self.guess:
+            return None
+        self.loaded += 1
+        self.right += 1
+        if expert not in self.batch:
+            return None
+        at, futures, t0 = self.batch.pop(expert)
+        got = ReadPool.collect(futures, t0)
+        for p, rng in self.store.layers[layer].items():
+            dst[p][row, :rng.nbytes] = self.staging[p][at, :rng.nbytes]
+        self.used += 1
+        self.used_bytes += got.bytes
+        return got
+
+    def drain(self) -> None:
+        """Score the last guess; wait for its unused reads (they write the staging rows): wasted."""
+        if self.guess:
+            self.precision = 0.8 * self.precision + 0.2 * self.loaded / len(self.guess)
+        for _, futures, t0 in self.batch.values():
+            got = ReadPool.collect(futures, t0)
+            self.wasted += 1
+            self.wasted_bytes += got.bytes
+        self.batch, self.layer, self.guess, self.loaded = {}, None, set(), 0
+
+    def stats(self) -> dict:
+        return {"guessed": self.guessed, "guessed_missing": self.missing, "guessed_right": self.right,
+                "precision": round(self.precision, 3), "min_precision": self.min_precision,
+                "read_ahead": self.read, "used": self.used, "wasted": self.wasted,
+                "pending": len(self.batch),  # the last batch's unused reads: counted wasted at the next
+                "used_bytes": self.used_bytes, "wasted_bytes": self.wasted_bytes,
+                "staging_bytes": sum(a.nbytes for a in self.staging.values())}
+
+
+class TierGraphDecoder(GraphDecoder):
+    """``GraphDecoder`` over the RAM tier: the same forwards take the graph, except prompts
+    over one chunk (the tier steps each layer once a forward, as ``sim`` replays it)."""
+
+    _spec_class, _graph_class = _TierSpec, _TierStepGraph
+
+    def __init__(self, model, cache, eager) -> None:
+        super().__init__(model, cache, eager)
+        width = max(moe["top_k"] for moe in (L["moe"] for L in self.spec.layers if "moe" in L))
+        self.prefetch = self.spec.prefetch = cache.tier.ahead = Prefetch(cache.tier, width)
+        self.note = ("; experts from the RAM tier's rows: the graph runs in segments split after each "
+                     "router, the missing experts read from the file between them, the next layer's "
+                     "guessed experts read ahead")
+
+    def _refusal(self, args: tuple, kwargs: dict) -> str | None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.enabled and isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > _CHUNK:
+            return f"a prompt over {_CHUNK} tokens with the RAM tier (the tier steps a layer once a forward)"
+        return super()._refusal(args, kwargs)
+        if self.enabled and ids.shape[1] > _CHUNK:  # whatever else it asks: a chunk is the most
+            return f"a prompt over {_CHUNK} tokens with the RAM tier (the tier steps a layer once a forward)"
+        return why
+
+
+def attach(model, cache, choice: str = "auto") -> tuple[str, str]:
+    """``ggmlgraph.attach`` for a model whose experts live in the RAM tier."""
+    return _attach(model, cache, choice, TierGraphDecoder)

@@ -1,0 +1,111 @@
+"""The one-ggml-graph decode over the RAM tier (``runtime/ggmltier.py``, issues 32 and 33).
+
+The graph reads the tier's rows through row ids, runs in segments split after each router and
+reads the missing experts (and the next layer's guessed ones) between them. It must give the
+tokens of the resident graph (logits bit for bit: the same ``mul_mat_id`` on the same bytes)
+and of the per-layer tiered path, and step the tier as that path does (sim equals live:
+``tests/test_tiers.py::test_tokens_equal_all_in_ram_and_sim_equals_live``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+import expertcache  # noqa: E402
+from expertcache.quant import ggml  # noqa: E402
+from gguf_models import write_gguf  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not ggml.available()[0], reason=f"ggml kernels: {ggml.available()[1]}")
+
+PROMPT = torch.tensor([[5, 9, 77, 120, 3, 44, 200, 17]])
+NEW = 10
+KW = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("ggml_tier") / "tiny.gguf", "qwen3_moe", "Q8_0", layers=3, experts=16)
+
+
+def _tiered(path, budget=0.25, **kw):
+    return expertcache.offload(path, device="cpu", baseline="resident", host_memory="tiered", host_budget=budget,
+                               **kw)
+
+
+def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
+    # the resident graph with its experts read in place, as the tier's rows are (never repacked)
+    ref = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy",
+                              cpu_repack="off").generate(PROMPT, **KW)
+    eager = _tiered(model_file, cpu_graph="off").generate(PROMPT, **KW)
+    model = _tiered(model_file)
+    summary = model.expertcache.summary()
+    assert summary["cpu_graph"] == "on" and "experts from the RAM tier's rows" in summary["cpu_graph_reason"]
+    got = model.generate(PROMPT, **KW)
+    decoder = model._expertcache_graph
+    assert decoder.steps == NEW - 1 and decoder.prefills == 1   # the prompt and every step in the graph
+    assert torch.equal(got.sequences, ref.sequences) and torch.equal(got.sequences, eager.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))  # bit for bit
+    tier = model.expertcache.stats().pool["tier"]
+    assert tier["decode"]["file_reads"] > 0 and tier["decode"]["ram_hits"] > 0
+    ahead = tier["prefetch"]
+    assert ahead["guessed"] == (NEW - 1) * 2 * 2       # decode steps x next layers x top-k
+    assert ahead["read_ahead"] > 0 and ahead["used"] > 0  # guesses were read ahead, and some loaded
+    assert "read ahead" in model.expertcache.tier.summary_line()
+
+
+def test_read_ahead_changes_no_count_and_no_logit(model_file):
+    """The table plans each step as without the guesses: the same hits and reads, the same logits;
+    the guesses' used reads replace reads of the step, their wasted bytes are counted apart."""
+    runs = []
+    for ahead in (True, False):
+        model = _tiered(model_file)
+        if ahead:
+            model._expertcache_graph.prefetch.min_precision = 0.0   # read every guess, however poor
+        else:
+            model._expertcache_graph.spec.prefetch = None
+        out = model.generate(PROMPT, **KW)
+        tier = model.expertcache.stats().pool["tier"]
+        d = tier["decode"]
+        if ahead:  # every guessed expert missing from the tier was read; those a step loaded were used
+            p = tier["prefetch"]
+            assert p["read_ahead"] == p["guessed_missing"] > 0
+            assert p["used"] == p["guessed_right"] > 0
+            assert p["used"] + p["wasted"] + p["pending"] == p["read_ahead"]
+        runs.append((out, {k: d[k] for k in ("accesses", "ram_hits", "file_reads", "file_bytes")}))
+    (a, ca), (b, cb) = runs
+    assert ca == cb
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_a_step_wider_than_the_tier_reads_into_a_compact_copy(model_file):
+    """3 rows: the 8-token prompt's steps need more; the graph reads those layers' experts from the
+    step's compact copy, and the tokens equal the resident run's."""
+    ref = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy",
+                              cpu_repack="off").generate(PROMPT, **KW)
+    model = _tiered(model_file, 3 / 48)
+    assert model.expertcache.tier.rows == 3
+    got = model.generate(PROMPT, **KW)
+    assert model._expertcache_graph.prefills == 1
+    assert model.expertcache.tier.table.stats().sums("prefill")["bypasses"] > 0
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
+
+
+def test_a_prompt_over_one_chunk_takes_the_eager_path_and_says_why(model_file):
+    model = _tiered(model_file)
+    decoder = model._expertcache_graph
+    prompt = torch.arange(300).remainder(250).unsqueeze(0)
+    model.generate(prompt, max_new_tokens=2, do_sample=False)
+    assert decoder.eager_calls == {"a prompt over 256 tokens with the RAM tier (the tier steps a layer once "
+                                   "a forward)": 1}
+    assert decoder.steps == 1
+
+
+def test_slots_with_a_tier_keep_the_per_layer_path(model_file):
+    model = expertcache.offload(model_file, device="cpu", slots=8, host_memory="tiered", host_budget=0.25)
+    summary = model.expertcache.summary()
+    assert summary["cpu_graph"] == "off"
+    assert "host_memory='tiered' with slots or baseline 'cpu'" in summary["cpu_graph_reason"]
