@@ -91,6 +91,42 @@ def test_auto_reads_a_model_over_half_the_free_memory_in_place(path, monkeypatch
     assert model._expertcache_graph.repacked is None
 
 
+def test_auto_takes_the_memory_cgroups_room(path, monkeypatch):
+    """Under a memory cgroup the limit binds before MemAvailable (a tiered bench's mmap run
+    repacked every expert and was killed in its limit)."""
+    from expertcache.runtime import device
+
+    monkeypatch.setattr(device, "free_memory", lambda dev: 2 ** 40)
+    monkeypatch.setattr(device, "cgroup_room", lambda: 2 ** 20)
+    model = expertcache.offload(path, device="cpu", baseline="resident")
+    assert "over half the 0.0 GiB free" in model.expertcache.summary()["cpu_graph_reason"]
+
+
+def test_cgroup_room_reads_v1_and_v2(tmp_path, monkeypatch):
+    from expertcache.runtime import device
+
+    real_open = open
+    files = {"/proc/self/cgroup": "12:memory:/bench\n0::/\n",
+             "/sys/fs/cgroup/memory/bench/memory.limit_in_bytes": "1000000\n",
+             "/sys/fs/cgroup/memory/bench/memory.usage_in_bytes": "400000\n"}
+
+    def fake(name, *args, **kwargs):
+        if name in files:
+            (tmp_path / "f").write_text(files[name])
+            return real_open(tmp_path / "f", *args, **kwargs)
+        if str(name).startswith(("/sys/fs/cgroup", "/proc/self/cgroup")):
+            raise OSError(name)
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake)
+    assert device.cgroup_room() == 600000                            # v1: limit - usage
+    files["/sys/fs/cgroup/memory/bench/memory.limit_in_bytes"] = str(2 ** 63 - 4096)
+    files.update({"/sys/fs/cgroup/memory.max": "max\n", "/sys/fs/cgroup/memory.current": "5\n"})
+    assert device.cgroup_room() is None                              # no limit in either
+    files["/sys/fs/cgroup/memory.max"] = "105\n"
+    assert device.cgroup_room() == 100                               # v2
+
+
 def test_the_setting_is_checked_and_reaches_the_config():
     import argparse
 

@@ -35,6 +35,33 @@ def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name or default_dtype(device.type)]
 
 
+def cgroup_room() -> int | None:
+    """Bytes this process's memory cgroup may still charge (limit - usage; v2 ``memory.max`` or
+    v1 ``memory.limit_in_bytes``), or None without a limit. Usage counts the page cache too, so
+    this is the room before the kernel must reclaim or kill."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = [line.strip().split(":", 2) for line in fh]
+    except OSError:
+        return None
+    for _, controllers, path in lines:
+        path = path.rstrip("/")
+        if controllers == "":                                        # v2
+            files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):                     # v1
+            base = f"/sys/fs/cgroup/memory{path}"
+            files = (f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit, usage = (open(f).read().strip() for f in files)
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:                  # v1 says "no limit" as ~2^63
+            return max(int(limit) - int(usage), 0)
+    return None
+
+
 def free_memory(device: torch.device) -> int | None:
     """Free bytes on the device (host: MemAvailable); None when it cannot be read."""
     if device.type == "cuda":
