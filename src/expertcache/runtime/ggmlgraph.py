@@ -400,18 +400,25 @@ class _StepGraph:
         if moe["norm"]:
             w2 = g.reshape_2d(w, K, T)
             w = g.reshape_3d(g.div(w2, g.sum_rows(w2)), 1, K, T)
-        hx = g.reshape_3d(h, H, 1, T)
         weights = [self._weight(t, (cols, rows, data.shape[0]), data.data_ptr(), data.stride(0))
                    for t, rows, cols, data in moe["experts"]]                    # [cols, rows, E]
+        return self._silu_experts(weights, h, sel, w)
+
+    def _silu_experts(self, weights: list, h, ids, w):
+        """sum over ranks of w * down(silu(gate) * up) [H, T]: ``weights`` gate, up, down or
+        gate_up, down stacked [cols, rows, n]; ``ids`` [K, T] the rows of the stacks; ``w`` [1, K, T]."""
+        g, T, H = self.g, self.tokens, self.spec.hidden
+        K = gg.ne(ids)[0]
+        hx = g.reshape_3d(h, H, 1, T)
         if len(weights) == 3:   # gate, up, down
-            gate, up = g.mul_mat_id(weights[0], hx, sel), g.mul_mat_id(weights[1], hx, sel)   # [I, K, T]
+            gate, up = g.mul_mat_id(weights[0], hx, ids), g.mul_mat_id(weights[1], hx, ids)   # [I, K, T]
         else:                   # one fused gate_up [2I]: gate rows first
-            gu = g.mul_mat_id(weights[0], hx, sel)                                # [2I, K, T]
+            gu = g.mul_mat_id(weights[0], hx, ids)                                # [2I, K, T]
             half = gg.ne(gu)[0] // 2
             gate = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), 0)
             up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
         par = g.swiglu_split(gate, up)                                            # silu(gate) * up
-        ex = g.mul(g.mul_mat_id(weights[-1], par, sel), w)                        # [H, K, T]
+        ex = g.mul(g.mul_mat_id(weights[-1], par, ids), w)                        # [H, K, T]
         return self._sum_ranks(ex)
 
     def _oai_experts(self, moe: dict, h, sel, w):

@@ -147,17 +147,7 @@ class _TierStepGraph(_StepGraph):
         leaves = {p: g.leaf(t, (cols, n, rows), store.pool[p].data_ptr(), stride=store.stride[p])
                   for t, n, cols, p in moe["tier"]}                                 # [cols, rows_p, R]
         self._leaves.append(leaves)
-        weights = list(leaves.values())
-        hx = g.reshape_3d(h, H, 1, T)
-        if len(weights) == 3:   # gate, up, down
-            gate, up = g.mul_mat_id(weights[0], hx, rid), g.mul_mat_id(weights[1], hx, rid)   # [I, K, T]
-        else:                   # one fused gate_up [2I]: gate rows first
-            gu = g.mul_mat_id(weights[0], hx, rid)                                  # [2I, K, T]
-            half = gg.ne(gu)[0] // 2
-            gate = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), 0)
-            up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
-        ex = g.mul(g.mul_mat_id(weights[-1], g.swiglu_split(gate, up), rid), w)    # [H, K, T]
-        return g.reshape_2d(g.sum_rows(g.cont(g.permute(ex, 1, 0, 2, 3))), H, T)  # [H, T]
+        return self._silu_experts(list(leaves.values()), h, rid, w)
 
     def _segments(self, n_threads: int) -> None:
         """Each span of nodes between two routers as a graph of its own, planned for the same
