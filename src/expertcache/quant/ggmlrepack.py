@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from functools import lru_cache
 
 from . import ggml
 from .ggml import _InitParams, _Tensor
@@ -186,6 +187,7 @@ def release(addr: int, nbytes: int) -> None:
         _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
 
 
+@lru_cache(maxsize=1)
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

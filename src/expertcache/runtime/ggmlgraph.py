@@ -400,6 +400,11 @@ class _StepGraph:
         if moe["norm"]:
             w2 = g.reshape_2d(w, K, T)
             w = g.reshape_3d(g.div(w2, g.sum_rows(w2)), 1, K, T)
+        return self._moe_experts(moe, h, sel, w)
+
+    def _moe_experts(self, moe: dict, h, sel, w):
+        """The routed experts' sum [H, T] for ids ``sel`` [K, T] and weights ``w`` [1, K, T]: on
+        the host's bytes here (ggmltier.py overrides it: the RAM tier's rows, a segment split)."""
         weights = [self._weight(t, (cols, rows, data.shape[0]), data.data_ptr(), data.stride(0))
                    for t, rows, cols, data in moe["experts"]]                    # [cols, rows, E]
         return self._silu_experts(weights, h, sel, w)

@@ -116,15 +116,12 @@ class _TierStepGraph(_StepGraph):
         self._held = None  # a compact copy the next segment reads (a step wider than the tier)
 
     # -- build ---------------------------------------------------------------------------
-    def _moe(self, moe: dict, h):
-        # T tokens, H hidden, E experts, K top-k, R rows of the tier, I expert FF
+    def _moe_experts(self, moe: dict, h, sel, w):
+        """The segment ends once the router's ``sel`` [K, T] is computed (and, in decode, the next
+        layer's guess); the experts read the tier's rows through ``rid`` [K, T], filled between."""
+        # T tokens, H hidden, K top-k, R rows of the tier
         g, T, H = self.g, self.tokens, self.spec.hidden
-        K, router = moe["top_k"], moe["router"]
-        E = router.shape[0]
-        i = len(self.ids)                                                          # this MoE layer's rank
-        probs = g.soft_max(g.mul_mat(g.leaf(GGML_TYPE_F32, (H, E), router.data_ptr()), h))   # [E, T]
-        sel = g.argsort_top_k(probs, K)                                            # [K, T] expert ids
-        self.ids.append(sel)
+        K, i = moe["top_k"], len(self.ids) - 1                                     # this MoE layer's rank
         guess = None
         if T == 1 and i + 1 < len(self._moe_specs):  # decode: guess the next layer's experts from h
             nxt = self._moe_specs[i + 1]
@@ -136,10 +133,6 @@ class _TierStepGraph(_StepGraph):
         self._guesses.append(guess)
         g.expand(sel)                                                              # the segment ends here
         self._splits.append(g._base.ggml_graph_n_nodes(g.graph))
-        w = g.get_rows(g.reshape_3d(probs, 1, E, T), sel)                          # [1, K, T]
-        if moe["norm"]:
-            w2 = g.reshape_2d(w, K, T)
-            w = g.reshape_3d(g.div(w2, g.sum_rows(w2)), 1, K, T)
         rid, addr = g.input(GGML_TYPE_I32, (K, T), 4)                              # [K, T] rows of the tier
         self._rid.append((rid, addr))
         store = self.spec.store
@@ -318,9 +311,6 @@ class TierGraphDecoder(GraphDecoder):
         if self.enabled and isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > _CHUNK:
             return f"a prompt over {_CHUNK} tokens with the RAM tier (the tier steps a layer once a forward)"
         return super()._refusal(args, kwargs)
-        if self.enabled and ids.shape[1] > _CHUNK:  # whatever else it asks: a chunk is the most
-            return f"a prompt over {_CHUNK} tokens with the RAM tier (the tier steps a layer once a forward)"
-        return why
 
 
 def attach(model, cache, choice: str = "auto") -> tuple[str, str]:
