@@ -44,6 +44,11 @@ LLAMA = "llama.cpp (llama-bench)"
 # kernels: a second, rearranged copy of those weights in RAM. Without it llama.cpp computes on
 # the mapped file as expertcache does: the like-for-like row.
 LLAMA_NOREPACK = "llama.cpp, --repack 0"
+# The interpreter's own memory, which no layout of the weights can reduce: a child that imports
+# what a run imports (torch, transformers with the family's modeling code, expertcache) and loads
+# nothing. ``over_floor_vs_file`` is (peak RSS - this) / file: what the weights, KV cache and
+# compute buffers take.
+FLOOR = "interpreter floor (no model)"
 
 
 def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
@@ -54,6 +59,8 @@ def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
 
     torch.set_num_threads(threads)
     settings = dict(settings)
+    if settings.pop("floor", False):
+        return {"memory_at_end": floor_imports(model)}
     share = settings.pop("share", None)
     if share is not None:
         from expertcache.ggufmodel.header import read_header
@@ -75,6 +82,19 @@ def child(model: str, settings: dict, threads: int, tokens: int) -> dict:
             "dense_kernel": pool["dense_kernel"],
             "slot_format": pool["slot_format"], "slots": m.expertcache.pool.slots,
             "host_resident": pool["host_resident"]}
+
+
+def floor_imports(model: str) -> dict:
+    """Import what loading ``model`` imports, load nothing; this process's memory then."""
+    import importlib
+
+    from expertcache.ggufmodel.header import read_header
+
+    import expertcache  # noqa: F401
+
+    family = read_header(model).model_type
+    importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return memory()
 
 
 def memory() -> dict:
@@ -153,13 +173,16 @@ def table(rows: dict[str, list[dict]], file_bytes: int) -> list[dict]:
         best[label] = max(ok, key=lambda r: r["tok_s"]) if ok else runs[-1]
     ref = best.get(LLAMA, {}).get("tok_s")
     ref_norepack = best.get(LLAMA_NOREPACK, {}).get("tok_s")
+    floor = min((r["peak_rss"] for r in rows.get(FLOOR, []) if "peak_rss" in r), default=None)
     out = []
     for label, r in best.items():
         out.append({"config": label, **r, "vs_llama": r["tok_s"] / ref if ref and "tok_s" in r else None,
                     "vs_llama_rounds": _round_ratios(rows[label], rows.get(LLAMA, [])),
                     "vs_llama_norepack": r["tok_s"] / ref_norepack if ref_norepack and "tok_s" in r else None,
                     "vs_llama_norepack_rounds": _round_ratios(rows[label], rows.get(LLAMA_NOREPACK, [])),
-                    "rss_vs_file": r["peak_rss"] / file_bytes if "peak_rss" in r else None})
+                    "rss_vs_file": r["peak_rss"] / file_bytes if "peak_rss" in r else None,
+                    "over_floor_vs_file": (r["peak_rss"] - floor) / file_bytes
+                    if floor and "peak_rss" in r and "tok_s" in r else None})
     return out
 
 
@@ -169,19 +192,28 @@ def _round_ratios(runs: list[dict], llama: list[dict]) -> list[float | None]:
     return [r["tok_s"] / ref["tok_s"] if "tok_s" in r and "tok_s" in ref else None for r, ref in zip(runs, llama)]
 
 
-def plot(result: list[dict], path: Path, title: str) -> None:
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def plot(result: list[dict], path: Path, title: str, file_bytes: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in result if "tok_s" in r]
+    floor = next((r["peak_rss"] for r in result if r["config"] == FLOOR and "peak_rss" in r), None)
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
     names = [r["config"] for r in rows]
     a.barh(names, [r["tok_s"] for r in rows], color="tab:blue")
     a.set_xlabel("decode tok/s")
     b.barh(names, [r["peak_rss"] / 2 ** 30 for r in rows], color="tab:orange")
     b.set_xlabel("peak RSS (GiB)")
+    b.axvline(file_bytes / 2 ** 30, color="k", lw=1, label="the file")
+    if floor:
+        b.axvline((file_bytes + floor) / 2 ** 30, color="k", ls="--", lw=1, label="file + interpreter floor")
+    b.legend(loc="lower right")
     a.invert_yaxis()
     fig.suptitle(title)
     fig.tight_layout()
@@ -209,7 +241,7 @@ def main() -> int:
     if llama is None:
         print(f"note: llama.cpp skipped ({'--llama-bench not given' if not args.llama_bench else args.llama_bench + ' not found'})")
     rows: dict[str, list[dict]] = ({LLAMA: [], LLAMA_NOREPACK: []} if llama else {}) | \
-        {label: [] for label, _ in configs}
+        {label: [] for label, _ in configs} | {FLOOR: []}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
             if llama:
@@ -222,13 +254,17 @@ def main() -> int:
                 rows[label].append(run_config(args.model, settings, args.threads, args.tokens, Path(tmp)))
                 rows[label][-1]["load_1min"] = os.getloadavg()[0]
                 print(f"round {round_ + 1} {label}: {rows[label][-1]}", flush=True)
+            rows[FLOOR].append(run_config(args.model, {"floor": True}, args.threads, args.tokens, Path(tmp)))
     file_bytes = Path(args.model).stat().st_size
     result = table(rows, file_bytes)
     print(f"\n{Path(args.model).name} ({file_bytes / 2 ** 20:.0f} MiB), {args.threads} threads, "
           f"{args.tokens} decode tokens, best of {args.repeats} interleaved rounds")
     print(f"{'configuration':34} {'tok/s':>8} {'x llama':>8} {'per round':>16} {'x no-repack':>12} "
-          f"{'per round':>16} {'peak RSS':>10} {'x file':>7} {'load':>5}")
+          f"{'per round':>16} {'peak RSS':>10} {'x file':>7} {'-floor':>7} {'load':>5}")
     for r in result:
+        if r["config"] == FLOOR and "peak_rss" in r:
+            print(f"{FLOOR:34} {'':>61} {r['peak_rss'] / 2 ** 30:9.2f}G {r['rss_vs_file']:7.2f}")
+            continue
         if "tok_s" not in r:
             print(f"{r['config']:34} {r.get('error')}")
             continue
@@ -237,13 +273,14 @@ def main() -> int:
         vs_nr = f"{r['vs_llama_norepack']:.3f}" if r["vs_llama_norepack"] is not None else "-"
         per_nr = "/".join(f"{x:.2f}" for x in r["vs_llama_norepack_rounds"] if x is not None) or "-"
         print(f"{r['config']:34} {r['tok_s']:8.1f} {vs:>8} {per:>16} {vs_nr:>12} {per_nr:>16} "
-              f"{r['peak_rss'] / 2 ** 30:9.2f}G {r['rss_vs_file']:7.2f} {r.get('load_1min', 0):5.1f}")
+              f"{r['peak_rss'] / 2 ** 30:9.2f}G {r['rss_vs_file']:7.2f} {_ratio(r['over_floor_vs_file']):>7} "
+              f"{r.get('load_1min', 0):5.1f}")
     if args.json:
         doc = {"model": str(args.model), "file_bytes": file_bytes, "threads": args.threads, "tokens": args.tokens,
                "repeats": args.repeats, "table": result, "rounds": rows}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         png = Path(args.plot or Path(args.json).with_suffix(".png"))
-        plot(result, png, f"{Path(args.model).name}: CPU decode, {args.threads} threads")
+        plot(result, png, f"{Path(args.model).name}: CPU decode, {args.threads} threads", file_bytes)
         print(f"wrote {args.json} and {png}")
     return 0
 
