@@ -32,6 +32,9 @@ def load(model_or_path, config, device):
         return take_experts(model_or_path, config, device)
     path = Path(model_or_path)
     kind = model_kind(path)
+    if kind != "gguf" and config.host_memory == "tiered":  # experts read by offset from the safetensors
+        from .tiered_checkpoint import load_tiered_checkpoint
+        return load_tiered_checkpoint(path, config, device)
     if kind == "gguf":
         from .gguf import load_gguf
         return load_gguf(path, config, device)[:3]

@@ -150,15 +150,17 @@ class _Checkpoint:
         return tensor
 
 
-def _load_dense(model, ckpt: _Checkpoint, experts: tuple[str, ...], qcfg: dict, path: Path) -> None:
-    """Assign every tensor outside the ``experts`` modules (FP8 linears dequantized into the model's dtype)."""
+def _load_dense(model, ckpt: _Checkpoint, experts: tuple[str, ...], qcfg: dict, path: Path, rename=None) -> None:
+    """Assign every tensor outside the ``experts`` modules (FP8 linears dequantized into the model's
+    dtype); ``rename``: checkpoint name -> the model's (transformers' renamings), or None."""
     targets = model.state_dict()  # meta tensors: names and dtypes
     state = {}
-    for key in ckpt.keys:
+    for stored in ckpt.keys:
+        key = rename(stored) if rename else stored
         if key.startswith(experts) or key.endswith(("weight_scale_inv",) + _SKIPPED) or key not in targets:
             continue
-        tensor = ckpt.need(key)
-        scale = ckpt.get(key + "_scale_inv") if key.endswith(".weight") else None
+        tensor = ckpt.need(stored)
+        scale = ckpt.get(stored + "_scale_inv") if key.endswith(".weight") else None
         if scale is not None:
             _check_scale(key, tensor, scale, qcfg["weight_block_size"])
             tensor = fp8_block(tensor, scale, qcfg["weight_block_size"], torch.float32)

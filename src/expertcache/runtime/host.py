@@ -76,9 +76,10 @@ def host_mode(choice: str, device: torch.device, what: str, file_bytes: int | No
     Only a file's own bytes (``file_bytes``: their size; GGUF) can stay memory-mapped.
     """
     cuda = device.type == "cuda"
-    if choice == "tiered":  # loaders/gguf.py builds the tier itself; anything else reaching here is not a GGUF
-        raise ValueError(f"host_memory='tiered' reads experts by offset from a GGUF file; these are {what} "
-                         "(use host_memory='auto' or 'copy', or convert the model to GGUF)")
+    if choice == "tiered":  # the loaders build the tier themselves; a model passed in loaded reaches here
+        raise ValueError(f"host_memory='tiered' reads experts by offset from a GGUF file or a safetensors "
+                         f"checkpoint directory; these are {what} (pass the model's path instead, or use "
+                         "host_memory='auto' or 'copy')")
     if file_bytes is None:
         if choice == "mmap":
             raise ValueError(f"host_memory='mmap' reads experts from a GGUF file; these are {what}, held "

@@ -52,11 +52,28 @@ class Pending:
 
 @dataclass(frozen=True)
 class PartRange:
-    """Where one layer's part lives in the file: ``[E, nbytes]`` from byte ``offset`` of ``file``."""
+    """Where one layer's part lives in the file: ``[E, nbytes]`` from byte ``offset`` of ``file``
+    (a GGUF's stacked experts), or, where each expert is a tensor of its own (a safetensors
+    checkpoint's ``experts.N.*``), expert ``e`` at ``experts[e]`` = (file, offset)."""
 
     file: Path
     offset: int
     nbytes: int  # per expert
+    experts: tuple[tuple[Path, int], ...] | None = None
+
+    def where(self, expert: int) -> tuple[Path, int]:
+        """(file, byte offset) of ``expert``'s bytes."""
+        if self.experts is not None:
+            return self.experts[expert]
+        return self.file, self.offset + expert * self.nbytes
+
+    def ends(self, num_experts: int) -> dict[Path, int]:
+        """The furthest byte each file must hold for these experts (checked at load and before reads)."""
+        out: dict[Path, int] = {}
+        for e in (range(num_experts) if self.experts is not None else (num_experts - 1,)):
+            path, offset = self.where(e)
+            out[path] = max(out.get(path, 0), offset + self.nbytes)
+        return out
 
 
 class TieredStore:
@@ -80,7 +97,8 @@ class TieredStore:
         ends: dict[Path, int] = {}
         for layer in layers:
             for part in layer.values():
-                ends[part.file] = max(ends.get(part.file, 0), part.offset + num_experts * part.nbytes)
+                for path, end in part.ends(num_experts).items():
+                    ends[path] = max(ends.get(path, 0), end)
         self.files = {path: DirectFile(path, need, direct) for path, need in ends.items()}
         self.direct = all(f.direct for f in self.files.values())
         self.read_reason = next(iter(self.files.values())).mode_reason if self.direct else \
@@ -168,7 +186,8 @@ class TieredStore:
     def _jobs(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> list:
         out = []
         for p, rng in self.layers[layer].items():
-            out.append((self.files[rng.file], dst[p][row, :rng.nbytes], rng.offset + expert * rng.nbytes,
+            path, offset = rng.where(expert)
+            out.append((self.files[path], dst[p][row, :rng.nbytes], offset,
                         f"layer {layer} expert {expert} ({p}, {rng.nbytes} bytes)"))
         return out
 

@@ -1,0 +1,138 @@
+"""host_memory='tiered' over a safetensors checkpoint: experts read by the offsets its header gives.
+
+The tier must compute what the all-in-RAM load computes (float checkpoints of every family whose
+experts transformers merges from per-expert tensors, and block FP8), read only what steps need,
+and refuse damaged files and layouts it cannot read by offset with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import expertcache  # noqa: E402
+from expertcache.loaders.safetensors_index import read_header  # noqa: E402
+from tiny_moe import save_checkpoint, tiny_model  # noqa: E402
+
+PROMPT = torch.tensor([[5, 9, 77, 12, 3, 44]])
+NEW = 8
+RUNS = {"resident": dict(device="cpu", baseline="resident"), "slots": dict(device="cpu", slots=4)}
+
+
+def _pair(path, run: str, budget="50%"):
+    """(the all-in-RAM model, the tiered one) of one checkpoint."""
+    ref = expertcache.offload(path, host_memory="copy", **RUNS[run])
+    got = expertcache.offload(path, host_memory="tiered", host_budget=budget, **RUNS[run])
+    return ref, got
+
+
+def _assert_same(ref, got):
+    assert torch.equal(got.generate(PROMPT, max_new_tokens=NEW, do_sample=False),
+                       ref.generate(PROMPT, max_new_tokens=NEW, do_sample=False))
+    with torch.no_grad():
+        assert torch.allclose(got(PROMPT).logits, ref(PROMPT).logits, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    def make(family: str):
+        path = tmp_path_factory.mktemp(family)
+        save_checkpoint(tiny_model(family), path)
+        return path
+    return make
+
+
+# Mixtral: transformers renames block_sparse_moe -> mlp and merges w1 / w3 / w2; GraniteMoE keeps
+# one fused [E, 2I, H] tensor per layer; DeepSeek-V3: a dense first layer and shared experts.
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "granitemoe"])
+@pytest.mark.parametrize("run", list(RUNS))
+def test_a_float_checkpoint_tiered_equals_all_in_ram(checkpoints, family, run):
+    ref, got = _pair(checkpoints(family), run)
+    _assert_same(ref, got)
+    tier = got.expertcache.tier.stats()
+    assert tier["decode"]["file_reads"] > 0 and tier["decode"]["file_bytes"] > 0
+    assert tier["rows"] < got.expertcache.num_layers * got.expertcache.num_experts  # the rest stays in the file
+
+
+def test_fp8_checkpoint_tiered_equals_all_in_ram(tmp_path):
+    """Block FP8 (DeepSeek-V3 / Qwen3-FP8 layout): float8 weights and their scale tiles, per expert."""
+    from test_hf_quant import write_fp8
+
+    for family, ff in (("qwen3_moe", 192), ("deepseek_v3", None)):  # 192: partial scale tiles
+        path, _ = write_fp8(tmp_path / family, family=family, **({"ff": ff} if ff else {}))
+        for run in RUNS:
+            ref, got = _pair(path, run)
+            _assert_same(ref, got)
+            parts = {p.name for p in got.expertcache.hosts[0].codec.parts}
+            assert {"gate.weight", "gate.scale", "down.weight", "down.scale"} <= parts
+
+
+def test_expert_offsets_are_the_headers(checkpoints):
+    """The tier reads expert e of a part where the header puts ``experts.e.*``: those bytes are the tensor's."""
+    from safetensors import safe_open
+
+    path = checkpoints("qwen3_moe")
+    model = expertcache.offload(path, device="cpu", baseline="resident", host_memory="tiered", host_budget="50%")
+    store = model.expertcache.tier
+    rng = store.layers[1]["down.weight"]
+    file, offset = rng.where(5)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        want = f.get_tensor("model.layers.1.mlp.experts.5.down_proj.weight").contiguous().view(torch.uint8)
+    with open(file, "rb") as fh:
+        fh.seek(offset)
+        assert fh.read(rng.nbytes) == want.numpy().tobytes()
+
+
+# -- bad input: one line each -----------------------------------------------------------------
+def test_truncated_and_damaged_files_are_refused(checkpoints, tmp_path):
+    import shutil
+
+    src = checkpoints("qwen3_moe")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    weights = bad / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) - 100])
+    with pytest.raises(ValueError, match=r"ends at byte \d+ but the file has \d+; the file is truncated"):
+        expertcache.offload(bad, device="cpu", baseline="resident", host_memory="tiered", host_budget="50%")
+    weights.write_bytes(data[:8] + b"x" + data[9:])    # the JSON's opening brace overwritten
+    with pytest.raises(ValueError, match="header is not valid JSON"):
+        read_header(weights)
+    weights.write_bytes(struct.pack("<Q", len(data)) + data[8:])
+    with pytest.raises(ValueError, match="not a safetensors file, or truncated"):
+        read_header(weights)
+
+
+def test_a_missing_expert_tensor_is_named(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    bad = tmp_path / "missing"
+    shutil.copytree(checkpoints("qwen3_moe"), bad)
+    state = load_file(bad / "model.safetensors")
+    del state["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight is missing"):
+        expertcache.offload(bad, device="cpu", baseline="resident", host_memory="tiered", host_budget="50%")
+
+
+def test_layouts_not_read_by_offset_say_so(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="holds its experts transposed .*Convert the model to GGUF"):
+        expertcache.offload(checkpoints("gpt_oss"), device="cpu", baseline="resident", host_memory="tiered",
+                            host_budget="50%")
+    from test_hf_quant import write_gpt_oss_mxfp4
+
+    path = write_gpt_oss_mxfp4(tmp_path / "mxfp4")
+    with pytest.raises(ValueError, match="does not read GPT-OSS MXFP4 checkpoints by offset"):
+        expertcache.offload(path, device="cpu", baseline="resident", host_memory="tiered", host_budget="50%")
+    bin_only = tmp_path / "bin"
+    bin_only.mkdir()
+    (bin_only / "config.json").write_text(json.dumps(tiny_model("qwen3_moe").config.to_dict()))
+    torch.save({}, bin_only / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="reads experts by offset from safetensors files; this checkpoint has none"):
+        expertcache.offload(bin_only, device="cpu", baseline="resident", host_memory="tiered", host_budget="50%")
