@@ -284,6 +284,34 @@ def test_gpt_oss_hands_its_sliding_cache_over_both_ways(tmp_path, monkeypatch):
     assert torch.equal(generated[True], generated[False]) and decoder.steps == 19
 
 
+def test_gpt_oss_sliding_layers_keep_a_ring(tmp_path, monkeypatch):
+    """A sliding layer holds window + chunk rows however long the decode (position p in row
+    p mod R), while full layers grow; at every step the caller's sliding cache reads the last
+    window - 1 rows in order (a copy where they wrap the ring), equal to the eager path's."""
+    monkeypatch.setattr(ggmlgraph, "_MIN_CAPACITY", 2)
+    monkeypatch.setattr(ggmlgraph, "_CHUNK", 4)
+    model = _gpt_oss(tmp_path)
+    decoder = model._expertcache_graph
+    caches = {}
+    for graph in (False, True):
+        decoder.enabled = graph
+        seen = []
+        with torch.no_grad():
+            out = model(torch.tensor(OSS_PROMPT), use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            for _ in range(12):                       # positions 9 .. 20: the ring of 8 wraps
+                out = model(tok, past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                seen.append((past.layers[0].keys.clone(), past.layers[0].values.clone(), past.layers[1].keys.clone()))
+        caches[graph] = seen
+    ring = OSS_WINDOW + 4
+    assert decoder.kv[0][0].shape[0] == ring and decoder.capacity >= len(OSS_PROMPT[0]) + 12 > ring
+    assert decoder.kv[1][0].shape[0] == decoder.capacity
+    for (k, v, full), (k_ref, v_ref, full_ref) in zip(caches[True], caches[False]):
+        assert k.shape == k_ref.shape == (1, model.config.num_key_value_heads, OSS_WINDOW - 1, k.shape[-1])
+        assert _rel(k, k_ref) < FLOAT_TOL and _rel(v, v_ref) < FLOAT_TOL and _rel(full, full_ref) < FLOAT_TOL
+
+
 def test_families_without_a_graph_say_why(tmp_path):
     """Mixtral and OLMoE load from no GGUF file (transformers maps none), so their experts never
     reach ggml's kernels; were one to come here, the reason names that."""

@@ -27,9 +27,12 @@ token, llama.cpp's layout), grown by doubling. The caller's ``DynamicCache`` kee
 after each step its layers hold views of these buffers; rows written by the eager path (any
 forward the graph does not take) are copied in before the next graph step (the hand-over).
 
-Sliding layers (transformers' ``layer_types``) keep every row too, and read them through a
-mask of their own (a token sees its last ``sliding_window`` positions); the caller's
-``DynamicSlidingWindowLayer`` reads the last ``window - 1`` rows, as transformers keeps them.
+Sliding layers (transformers' ``layer_types``) keep a ring of ``window + _CHUNK`` rows instead
+(``ring_rows``: position p in row p mod R), which a chunk of new tokens never overwrites while
+one of them still sees it, and read it through a mask of their own (a token sees its last
+``sliding_window`` positions): their memory and attention stay the same however long the
+context (GPT-OSS: half its layers). The caller's ``DynamicSlidingWindowLayer`` reads the last
+``window - 1`` rows in order, as transformers keeps them (a copy where they wrap the ring).
 
 Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases), GPT-OSS (attention sinks
 through ``flash_attn_ext_add_sinks``, sliding and full layers in turn, YaRN RoPE read from
@@ -291,8 +294,11 @@ class _StepGraph:
 
     def __init__(self, spec: _Spec, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: int,
                  n_threads: int, repacked=None, keep: int = 0) -> None:
-        # T tokens, C cache rows, H hidden, D head dim, N heads, M kv heads, E experts, K top-k, V vocab
-        self.spec, self.tokens, self.capacity = spec, tokens, kv[0][0].shape[0]
+        # T tokens, C cache rows (R: a sliding layer's ring), H hidden, D head dim, N heads, M kv heads,
+        # E experts, K top-k, V vocab
+        self.spec, self.tokens = spec, tokens
+        self.capacity = full_rows(spec, kv) or 1   # no full layer: the causal mask unread
+        self.ring = ring_rows(spec)
         self.keep = keep or tokens  # logits of the last ``keep`` tokens (a prefill needs the last one)
         self.repacked = repacked   # quant.ggmlrepack.Repacked or None: weights ggml reads repacked
         # headers: about 60 ops a layer and 2 per top-k rank (the sum over ranks), counted twice
@@ -302,9 +308,11 @@ class _StepGraph:
         self.pos, self.pos_addr = g.input(GGML_TYPE_I32, (T,), 4)
         self.rows, self.rows_addr = g.input(GGML_TYPE_I64, (T,), 8)
         self.mask, self.mask_addr = g.input(GGML_TYPE_F16, (C, T), 2)
-        # sliding layers' mask: the causal one less the cells a window back (transformers': a
-        # token sees the ``window`` positions up to its own)
-        self.swa, swa_addr = g.input(GGML_TYPE_F16, (C, T), 2) if spec.window else (None, None)
+        # sliding layers: rows of the ring, and a mask over it (transformers': a token sees the
+        # ``window`` positions up to its own)
+        R = self.ring
+        self.swa_rows, swa_rows_addr = g.input(GGML_TYPE_I64, (T,), 8) if R else (None, None)
+        self.swa, swa_addr = g.input(GGML_TYPE_F16, (R, T), 2) if R else (None, None)
         self.freq_factors = None if spec.freq_factors is None else self._vec(spec.freq_factors)
         self.ids = []                                                          # [K, T] per MoE layer
         x = g.get_rows(g.leaf(spec.embed[0], spec.embed[1], spec.embed[2]), self.tok)   # [H, T]
@@ -320,7 +328,8 @@ class _StepGraph:
         self.work_bytes = g.finish([self.logits, *sorted_], n_threads)
         self._ids_views = [gg.int32_array(s_, (T, gg.ne(s_)[0]))[:, :gg.ne(t)[0]] for s_, t in zip(sorted_, self.ids)]
         self._mask = gg.f16_array(self.mask_addr, (T, C))                        # [T, C] 0 or -inf
-        self._swa = None if swa_addr is None else gg.f16_array(swa_addr, (T, C))
+        self._swa = None if swa_addr is None else gg.f16_array(swa_addr, (T, R))               # [T, R]
+        self._swa_rows = None if swa_rows_addr is None else gg.int64_array(swa_rows_addr, (T,))
         self._tok = gg.int32_array(self.tok_addr, (T,))      # numpy views of the inputs, made once
         self._pos = gg.int32_array(self.pos_addr, (T,))
         self._rows = gg.int64_array(self.rows_addr, (T,))
@@ -344,7 +353,7 @@ class _StepGraph:
         return self.g.mul(self.g.rms_norm(x, eps), self._vec(w))
 
     def _layer(self, L: dict, x, k_buf: torch.Tensor, v_buf: torch.Tensor):
-        g, s, T, C = self.g, self.spec, self.tokens, self.capacity
+        g, s, T, C = self.g, self.spec, self.tokens, k_buf.shape[0]   # C: capacity, or the ring
         D, N, M = s.head_dim, s.heads, s.kv_heads
         h = self._norm(x, L["in_norm"])                                          # [H, T]
         q, k, v = self._mm(L["q"], h), self._mm(L["k"], h), self._mm(L["v"], h)  # [N*D | M*D, T]
@@ -355,8 +364,9 @@ class _StepGraph:
         k = g.rope(k, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base, 1.0, self.freq_factors, s.attn_factor)
         kc = g.leaf(GGML_TYPE_F32, (M * D, C), k_buf.data_ptr())                 # [M*D, C]
         vc = g.leaf(GGML_TYPE_F32, (M * D, C), v_buf.data_ptr())
-        g.expand(g.set_rows(kc, g.reshape_2d(k, M * D, T), self.rows))          # written before it is read
-        g.expand(g.set_rows(vc, v, self.rows))                                  # v: [M*D, T]
+        rows = self.rows if L["window"] is None else self.swa_rows
+        g.expand(g.set_rows(kc, g.reshape_2d(k, M * D, T), rows))               # written before it is read
+        g.expand(g.set_rows(vc, v, rows))                                       # v: [M*D, T]
         row = 4 * M * D
         kv_k = g.view_3d(kc, D, C, M, row, 4 * D, 0)                            # [D, C, M]
         kv_v = g.view_3d(vc, D, C, M, row, 4 * D, 0)
@@ -453,18 +463,22 @@ class _StepGraph:
         T = self.tokens
         self._tok[:] = tokens
         self._pos[:] = self._rows[:] = range(start, start + T)
-        W = self.spec.window
+        W, R = self.spec.window, self.ring
+        if R:
+            self._swa_rows[:] = np.arange(start, start + T) % R
         if T == 1 and start == self._filled:   # the next decode token: one more cell to see
             self._mask[0, start] = 0
-            if self._swa is not None:           # and, a window back, one fewer
-                self._swa[0, start] = 0
+            if R:                               # and in the ring, a window back, one fewer
+                self._swa[0, start % R] = 0
                 if start >= W:
-                    self._swa[0, start - W] = -np.inf
+                    self._swa[0, (start - W) % R] = -np.inf
         else:                                   # [T, C]: row t sees cells 0 .. start + t
             cells, pos = np.arange(self.capacity)[None, :], start + np.arange(T)[:, None]
             self._mask[:] = np.where(cells <= pos, 0, -np.inf)
-            if self._swa is not None:           # sliding: cells start + t - W + 1 .. start + t
-                self._swa[:] = np.where((cells <= pos) & (cells > pos - W), 0, -np.inf)
+            if R:                               # sliding: ring row r holds position held[r]
+                last = start + T - 1
+                held = last - (last - np.arange(R)[None, :]) % R                 # [1, R]
+                self._swa[:] = np.where((held >= 0) & (held <= pos) & (held > pos - W), 0, -np.inf)
         self._filled = start + 1 if T == 1 else -1
         out = torch.empty(self.keep, self.spec.vocab)                             # [keep, V]
         self.logits.contents.data = out.data_ptr()
@@ -482,6 +496,18 @@ class _StepGraph:
 
 # -- the decode path ------------------------------------------------------------------
 @lru_cache(maxsize=None)
+def ring_rows(spec: _Spec) -> int:
+    """Rows of a sliding layer's ring (0 without sliding layers): the window a chunk's first
+    token looks back over, plus the chunk; so a chunk's writes never land on a row one of its
+    tokens still sees."""
+    return spec.window + _CHUNK if spec.window else 0
+
+
+def full_rows(spec: _Spec, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Rows of the full-attention layers' buffers (the cache's capacity; 0 before any)."""
+    return next((k.shape[0] for (k, _), w in zip(kv, spec.windows) if w is None), 0)
+
+
 def _graph_layer_class(base: type) -> type:
     """``base`` (transformers' ``DynamicLayer`` or ``DynamicSlidingWindowLayer``) whose keys and
     values are the graph's KV rows, made into tensors only when something reads them (the eager
@@ -555,7 +581,8 @@ class GraphDecoder:
         self.spec = self._spec_class(model, cache)   # raises Unsupported
         self.cache, self.eager = cache, eager
         self.threads = ggml_threads()
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []    # per layer K, V [C, M*D] float32
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []    # per layer K, V [C or R, M*D] float32
+        self._capacity = 0
         self.graphs: dict[tuple[int, int], _StepGraph] = {}
         self.owner = None                    # weakref to the DynamicCache whose layers read the buffers
         self.length = 0                      # rows of the owner's cache in the buffers
@@ -573,17 +600,22 @@ class GraphDecoder:
 
     @property
     def capacity(self) -> int:
-        return self.kv[0][0].shape[0] if self.kv else 0
+        """Positions the cache holds before it grows (sliding layers: any, in their ring)."""
+        return self._capacity
 
     def kv_bytes(self) -> int:
         return sum(k.numel() * 4 + v.numel() * 4 for k, v in self.kv)
 
     def view(self, layer: int, which: int) -> torch.Tensor:
         """Layer ``layer``'s keys (0) or values (1) as transformers holds them: [1, M, m, D], the
-        last m of the n rows (m = n, or at most window - 1 on a sliding layer)."""
+        last m of the n rows (m = n, or at most window - 1 on a sliding layer: rows of its ring,
+        copied where they wrap around it)."""
         M, D, n, window = self.spec.kv_heads, self.spec.head_dim, self.length, self.spec.windows[layer]
-        m = n if window is None else min(n, window - 1)
-        return self.kv[layer][which].as_strided((1, M, m, D), (m * M * D, D, M * D, 1), (n - m) * M * D)
+        buf = self.kv[layer][which]                                                # [C or R, M*D]
+        m, first = (n, 0) if window is None else (min(n, window - 1), (n - min(n, window - 1)) % buf.shape[0])
+        if first + m > buf.shape[0]:                                               # wraps: in order
+            buf, first = buf.index_select(0, torch.arange(n - m, n) % buf.shape[0]), 0
+        return buf.as_strided((1, M, m, D), (m * M * D, D, M * D, 1), first * M * D)
 
     def __call__(self, *args, **kwargs):
         why = self._refusal(args, kwargs)
@@ -676,12 +708,16 @@ class GraphDecoder:
             while cap < n + T:
                 cap *= 2
             # empty: rows past the cache's length are masked, and ggml skips masked rows
-            self.kv = [(torch.empty(cap, M * D), torch.empty(cap, M * D)) for _ in self.spec.layers]
+            ring = ring_rows(self.spec)
+            self.kv = [(torch.empty(c, M * D), torch.empty(c, M * D))
+                       for c in (cap if w is None else ring for w in self.spec.windows)]
+            self._capacity = cap
             self.graphs.clear()
-        for (keys, values), (kb, vb) in zip(rows, self.kv) if n else ():         # -> rows n - m .. n
+        for (keys, values), (kb, vb) in zip(rows, self.kv) if n else ():         # -> positions n - m .. n
             m = keys.shape[2]     # n, or the last window - 1 on a sliding layer (those before: masked)
-            kb[n - m:n].view(m, M, D).copy_(keys[0].transpose(0, 1))
-            vb[n - m:n].view(m, M, D).copy_(values[0].transpose(0, 1))
+            at = torch.arange(n - m, n) % kb.shape[0]                            # rows (a ring's wrap)
+            kb.index_copy_(0, at, keys[0].transpose(0, 1).reshape(m, M * D))
+            vb.index_copy_(0, at, values[0].transpose(0, 1).reshape(m, M * D))
         del rows
         for index, layer in enumerate(past.layers):
             for name in ("keys", "values", "_keys", "_values", "cumulative_length", "_cumulative_length"):
