@@ -3,8 +3,9 @@ left in its blocks too: ``gguf_dense.py``), the experts left in their blocks.
 
 transformers' own GGUF loading dequantizes every tensor into host memory (a
 Qwen3-30B-A3B Q4_K_M file becomes 60 GiB of bf16). Here transformers supplies what it
-is good at (the config mapping, the GGUF -> HF tensor names, the tokenizer) and the
-model is built empty (``common.empty_model``); only the non-expert tensors are
+is good at (the config mapping, the GGUF -> HF tensor names, the tokenizer; for the archs it
+does not map, gpt-oss, ``llama`` with experts (Mixtral) and ``olmoe``, the config comes from
+llama.cpp's metadata keys here) and the model is built empty (``common.empty_model``); only the non-expert tensors are
 dequantized and assigned. Each MoE layer's experts stay as byte views of the file
 (``host_memory='mmap'``) or copies of those bytes (pinned with CUDA; both built by
 ``runtime.host``), in a ``QuantExperts`` with the ``Codec`` that turns them into the

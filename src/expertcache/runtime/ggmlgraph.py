@@ -35,9 +35,12 @@ Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases), GPT-OSS (attentio
 through ``flash_attn_ext_add_sinks``, sliding and full layers in turn, YaRN RoPE read from
 transformers' frequencies (``freq_factors``, its attention factor on cos and sin), q / k / v / o
 biases, the router's bias and softmax over the top-k logits, expert biases by ``add_id``, the
-clamped SwiGLU by ``swiglu_oai``). Others keep the eager path and ``support()`` and
-``summary()['cpu_graph_reason']`` say why (Mixtral and OLMoE: transformers maps no GGUF of
-theirs; GPT-OSS from an HF MXFP4 checkpoint: gate and up alternate in one tensor).
+clamped SwiGLU by ``swiglu_oai``), Mixtral (Qwen3-MoE's graph without q/k norms; its router
+always renormalises the top-k weights) and OLMoE (q/k RMS norms over all heads' values before
+the head split; top-k weights as ``norm_topk_prob`` says: not renormalised in llama.cpp's
+files). Others keep the eager path and ``support()`` and ``summary()['cpu_graph_reason']`` say
+why (DeepSeek: no GGUF of it loads, and MLA is not built; GPT-OSS from an HF MXFP4 checkpoint:
+gate and up alternate in one tensor).
 Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
 is computed from them); a run with a CPU slot cache keeps the per-layer path; a resident run
 over the RAM tier (``host_memory='tiered'``) reads the tier's rows, in segments (runtime/ggmltier.py).
