@@ -17,6 +17,11 @@ vocabulary size); the converter does not know its pre-tokenizer hash, so it is t
 The second shape of issue 32 (many layers, a small vocabulary: the per-layer cost shows):
 
     python benchmarks/make_cpu_model.py --llama-cpp ... --out /work/refs/cpu-model-12L --layers 12 --vocab 4096
+
+A Mixtral-shaped one (``--family mixtral``: 8 experts, top-2, expert FF 1536, no q/k norms;
+llama.cpp writes it as arch ``llama`` with its q and k rows permuted):
+
+    python benchmarks/make_cpu_model.py --llama-cpp ... --out /tmp/mixtral-12L --family mixtral --layers 12 --vocab 4096
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ SHAPE = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_k
              vocab_size=151936, moe_intermediate_size=768, intermediate_size=3072, num_experts=64,
              num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=4096,
              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+MIXTRAL = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+               vocab_size=151936, intermediate_size=1536, num_local_experts=8, num_experts_per_tok=2,
+               max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 # Run inside a fresh interpreter: the converter's own gguf-py first, the pre-tokenizer named.
 CONVERT = """
@@ -37,13 +45,15 @@ import sys
 sys.path.insert(0, {llama!r} + "/gguf-py"); sys.path.insert(0, {llama!r})
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+import conversion.llama as llama  # Mixtral: the BPE tokenizer.json as is (no sentencepiece model to try)
+llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", {hf!r}, "--outtype", "f16", "--outfile", {out!r}]
 convert_hf_to_gguf.main()
 """
 
 
-def save_hf(out: Path, seed: int, shape: dict) -> None:
+def save_hf(out: Path, seed: int, shape: dict, family: str = "qwen3_moe") -> None:
     import torch
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -52,9 +62,11 @@ def save_hf(out: Path, seed: int, shape: dict) -> None:
     torch.manual_seed(seed)
     # a small vocabulary: the tokenizer's own <|endoftext|> (256 bytes + 5 merges) ends text
     eos = 261 if shape["vocab_size"] < SHAPE["vocab_size"] else 151643
-    config = tf.Qwen3MoeConfig(**shape, bos_token_id=eos, eos_token_id=eos)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    model = tf.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    config_class, model_class = ((tf.MixtralConfig, tf.MixtralForCausalLM) if family == "mixtral"
+                                 else (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM))
+    config = config_class(**shape, bos_token_id=eos, eos_token_id=eos)
+    config.architectures = [model_class.__name__]
+    model = model_class(config).to(torch.bfloat16).eval()
     model.save_pretrained(out)
     vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
     merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n")]  # llama.cpp wants some
@@ -75,6 +87,7 @@ def main() -> int:
     p.add_argument("--quantize", type=Path, help="llama-quantize (default: build/bin under --llama-cpp)")
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers (default 6)")
     p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="vocabulary size (default Qwen's 151936)")
+    p.add_argument("--family", choices=("qwen3_moe", "mixtral"), default="qwen3_moe")
     args = p.parse_args()
     llama, out = args.llama_cpp.resolve(), args.out.resolve()
     quantize = args.quantize or llama / "build" / "bin" / "llama-quantize"
@@ -83,7 +96,8 @@ def main() -> int:
     hf, f16, q4 = out / "hf", out / "model-f16.gguf", out / "model-Q4_K_M.gguf"
     out.mkdir(parents=True, exist_ok=True)
     if not (hf / "config.json").exists():
-        save_hf(hf, args.seed, {**SHAPE, "num_hidden_layers": args.layers, "vocab_size": args.vocab})
+        shape = MIXTRAL if args.family == "mixtral" else SHAPE
+        save_hf(hf, args.seed, {**shape, "num_hidden_layers": args.layers, "vocab_size": args.vocab}, args.family)
     if not f16.exists():
         code = CONVERT.format(llama=str(llama), hf=str(hf), out=str(f16))
         subprocess.run([sys.executable, "-c", code], check=True)

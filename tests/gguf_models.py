@@ -3,7 +3,11 @@
 ``write_gguf(path, family, expert_type)`` builds a random transformers model of the family,
 writes it the way llama.cpp's converter lays it out (``blk.N.ffn_{gate,up,down}_exps``
 ``[E, rows, cols]``, everything else F32) with the experts in ``expert_type``, and a
-byte-level BPE tokenizer in the file's metadata. The expert FF size (384) is not the
+byte-level BPE tokenizer in the file's metadata (Mixtral: a sentencepiece one, as llama.cpp
+writes Mixtral's). Mixtral is GGUF architecture ``llama`` with its q and k rows permuted
+(``LlamaModel.permute`` in llama.cpp's converter, for ggml's interleaved RoPE); OLMoE is
+``olmoe``, unpermuted, with as many kv heads as heads (llama.cpp's OLMoE reads k_norm as
+``[n_embd]``) and its norm epsilon written as 1e-5 (llama.cpp's converter sets that). The expert FF size (384) is not the
 architecture's default, on purpose: transformers' qwen3moe config mapping ignores
 ``expert_feed_forward_length`` (CONTEXT.md), and the loader must read it from the shapes.
 K-quants need rows that are multiples of 256: hidden 256, expert FF 512.
@@ -19,7 +23,8 @@ import torch
 
 from quant_fixtures import random_blocks
 
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss", "mixtral": "llama",
+        "olmoe": "olmoe"}
 HIDDEN, EXPERT_FF, EXPERTS, TOP_K, LAYERS = 256, 512, 8, 2, 2
 _QUANTIZABLE = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "BF16", "F16", "F32"}
 
@@ -33,6 +38,20 @@ def tokenizer_lists() -> tuple[list[str], list[int], list[str]]:
     tokens = symbols + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_start|>"]
     types = [1] * (len(tokens) - 2) + [3, 3]  # 1 normal, 3 control
     return tokens, types, merges
+
+
+def spm_tokenizer_lists() -> tuple[list[str], list[int], list[float]]:
+    """A sentencepiece vocabulary as llama.cpp writes Mixtral's: <unk> <s> </s>, the 256 byte
+    tokens (byte fallback), then pieces with scores (the merges are recovered from them)."""
+    pieces = ["▁", "t", "h", "e", "c", "a", "▁t", "he", "▁the", "▁c", "at", "▁cat"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)  # 2 unknown, 3 control, 6 byte, 1 normal
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    return tokens, types, scores
+
+
+def vocab_size(family: str) -> int:
+    return len(spm_tokenizer_lists()[0] if family == "mixtral" else tokenizer_lists()[0])
 
 
 def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EXPERTS, sliding_window: int = 16):
@@ -49,6 +68,12 @@ def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EX
         return tf.Qwen2MoeConfig(**common, intermediate_size=768, moe_intermediate_size=EXPERT_FF,
                                  shared_expert_intermediate_size=256, num_experts=experts,
                                  decoder_sparse_step=1)
+    if family == "mixtral":
+        return tf.MixtralConfig(**common | {"bos_token_id": 1, "eos_token_id": 2}, intermediate_size=EXPERT_FF,
+                                num_local_experts=experts)
+    if family == "olmoe":
+        return tf.OlmoeConfig(**common | {"num_key_value_heads": 4, "rms_norm_eps": 1e-5}, pad_token_id=None,
+                              intermediate_size=EXPERT_FF, num_experts=experts, norm_topk_prob=False)
     if family == "gpt_oss":
         return tf.GptOssConfig(**common, intermediate_size=EXPERT_FF, num_local_experts=experts, head_dim=64,
                                sliding_window=sliding_window,
@@ -62,16 +87,17 @@ def tiny_config(family: str, vocab: int, layers: int = LAYERS, experts: int = EX
 def tiny_model(family: str, seed: int = 0, layers: int = LAYERS, experts: int = EXPERTS, sliding_window: int = 16):
     import transformers as tf
 
-    tokens, _, _ = tokenizer_lists()
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, len(tokens), layers, experts, sliding_window),
-                                                dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, vocab_size(family), layers, experts,
+                                                            sliding_window), dtype=torch.float32)
     with torch.no_grad():  # varied routing, so that tokens spread over the experts
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0, 2.0)
             elif name.endswith(("_bias", "sinks")) or ".bias" in name:
                 p.normal_(0, 0.1)  # GPT-OSS biases and sinks start at zero: make them count
+            elif family == "olmoe" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.3)  # OLMoE's norms over all heads start at one: make each weight count
     return model.eval()
 
 
@@ -111,6 +137,9 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
             raise KeyError(f"no GGUF name for {hf_name}")
         if "shared_expert_gate" in base:
             data = data.reshape(-1)  # llama.cpp stores it as a vector
+        if arch == "llama" and gguf_name.endswith(("attn_q", "attn_k")):
+            heads = cfg.num_attention_heads if gguf_name.endswith("attn_q") else cfg.num_key_value_heads
+            data = llama_permute(data, heads)
         if data.ndim == 2 and dense_type != "F32" and not gguf_name.endswith("ffn_gate_inp"):
             _add_dense_tensor(writer, f"{gguf_name}.{suffix}", data, dense_type, dense_rng)
             continue
@@ -130,6 +159,13 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
     if split_max_tensors:
         return next(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
     return path
+
+
+def llama_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter on arch ``llama``'s q and k rows (``LlamaModel.permute``): each head's
+    two rotate-half halves interleaved, for ggml's RoPE on adjacent pairs. [rows, cols] -> same."""
+    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
 
 
 def expert_parts(experts) -> tuple[dict, dict]:
@@ -166,10 +202,14 @@ def _metadata(writer, cfg, arch: str, tokenizer: bool) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
-    if hasattr(cfg, "head_dim"):
+    if arch not in ("llama", "olmoe"):  # llama.cpp writes it where the config names a MoE size
+        writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+    if getattr(cfg, "head_dim", None):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
+    if arch == "llama":  # LlamaModel.set_gguf_parameters
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     if arch == "gpt-oss":
         rope = cfg.rope_parameters
         writer.add_sliding_window(cfg.sliding_window)
@@ -178,7 +218,18 @@ def _metadata(writer, cfg, arch: str, tokenizer: bool) -> None:
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if tokenizer:
+    if tokenizer and arch == "llama":
+        tokens, types, scores = spm_tokenizer_lists()
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+    elif tokenizer:
         tokens, types, merges = tokenizer_lists()
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("qwen2")

@@ -30,6 +30,10 @@ OUT = HERE / "data" / "llamacpp_logits.npz"
 TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4")
 # fixtures whose dense weights are quantized too (write_gguf's dense_type): (family, experts, dense)
 DENSE = (("qwen3_moe", "Q4_K", "Q8_0"), ("qwen2_moe", "Q8_0", "Q4_0"))
+# families llama.cpp reads under other archs (Mixtral: ``llama`` with q/k permuted; OLMoE), F32 dense:
+# the file llama.cpp computes is the one the loader un-permutes. ``--families`` adds only these
+# to an existing file (the llama.cpp build here segfaulted on the quantized-dense fixtures above).
+FAMILIES = (("mixtral", "Q4_K", "F32"), ("olmoe", "Q8_0", "F32"))
 TOKENS = [5, 9, 200, 31, 77, 140, 3, 250, 66, 101, 12, 180, 44, 230, 90, 17]  # ids below the tiny vocab
 
 
@@ -55,14 +59,15 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     from gguf_models import write_gguf
 
-    out = {"tokens": np.array(TOKENS, dtype=np.int64)}
+    only_families = "--families" in sys.argv[1:]
+    out = dict(np.load(OUT)) if only_families else {"tokens": np.array(TOKENS, dtype=np.int64)}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in TYPES:
+        for name in () if only_families else TYPES:
             path = write_gguf(Path(tmp) / f"{name}.gguf", "qwen3_moe", name)
             out[f"{name}_sha256"] = np.array(sha256(path))
             out[f"{name}_logits"] = llamacpp_logits(path, TOKENS)
             print(name, out[f"{name}_sha256"], out[f"{name}_logits"].shape)
-        for family, experts, dense in DENSE:
+        for family, experts, dense in (FAMILIES if only_families else DENSE + FAMILIES):
             key = dense_key(family, experts, dense)
             path = write_gguf(Path(tmp) / f"{key}.gguf", family, experts, dense_type=dense)
             out[f"{key}_sha256"] = np.array(sha256(path))

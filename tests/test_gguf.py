@@ -221,6 +221,132 @@ def test_transformers_still_cannot_read_gpt_oss_gguf(gpt_oss_file):
         load_gguf_checkpoint(str(gpt_oss_file[0]), return_tensors=False)
 
 
+# -- Mixtral (arch llama, q/k permuted) and OLMoE: configs from llama.cpp's keys -----------------
+def family_reference(path, family: str):
+    """The HF model the file was written from, its experts replaced by gguf-py's dequantization
+    of the file's (F32: the same values). transformers maps no GGUF of either family (pinned
+    below), so the reference is the source model: equal logits also prove the loader undid
+    llama.cpp's q/k permutation (``tests/test_ggml_graph.py`` compares llama.cpp's own logits)."""
+    from gguf_models import tiny_model
+
+    ref = tiny_model(family)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    def weights(name):
+        t = tensors[name]
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+    with torch.no_grad():
+        for layer, block in enumerate(ref.model.layers):
+            gate, up, down = (weights(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
+            block.mlp.experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))   # [E, 2I, H]: gate rows first
+            block.mlp.experts.down_proj.copy_(down)                              # [E, H, I]
+    return ref.eval()
+
+
+@pytest.fixture(scope="module", params=[("mixtral", "F32"), ("mixtral", "Q8_0"), ("olmoe", "F32"), ("olmoe", "Q4_K")],
+                ids=lambda p: "-".join(p))
+def family_file(request, tmp_path_factory):
+    family, experts = request.param
+    path = write_gguf(tmp_path_factory.mktemp(family) / f"{family}.gguf", family, experts)
+    return (family, path, *expected(family_reference(path, family), PROMPT))
+
+
+@pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
+@pytest.mark.parametrize("miss,partition", [("fetch", "global"), ("cpu", "per-layer")])
+def test_mixtral_and_olmoe_gguf_equal_their_source_model(family_file, slot_format, miss, partition):
+    family, path, logits, tokens = family_file
+    model = assert_offload_matches(path, PROMPT, logits, tokens, slot_format=slot_format, miss=miss,
+                                   partition=partition)
+    assert model.config.model_type == family and model.config.intermediate_size == EXPERT_FF
+    if family == "olmoe":   # llama.cpp's OLMoE: the top-k weights are not renormalised
+        assert model.config.norm_topk_prob is False
+        assert model.model.layers[0].self_attn.q_norm.weight.numel() == model.config.hidden_size
+
+
+@pytest.mark.parametrize("family,experts", [("mixtral", "F32"), ("mixtral", "Q8_0"), ("olmoe", "F32"),
+                                            ("olmoe", "Q8_0")])
+def test_mixtral_and_olmoe_through_ggml_on_the_cpu(tmp_path, family, experts):
+    """The CPU engine with ggml's kernels (experts, dense weights, the one graph a token) against
+    the source model. F32: logits within float rounding, greedy tokens equal. Q8_0 (of the
+    source's values): ggml rounds the activations to 8 bits, so logits within 2% and the same
+    top-1 wherever the source's top-1 margin exceeds the largest logit difference (the tiny
+    random models' margins are small: greedy runs part ways). The K-quant fixtures' random
+    blocks are compared path against path in tests/test_ggml_graph.py."""
+    path = write_gguf(tmp_path / "m.gguf", family, experts)
+    logits, tokens = expected(family_reference(path, family), PROMPT)
+    model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="ggml")
+    assert model.expertcache.summary()["cpu_graph"] == "on"
+    with torch.no_grad():
+        got = model(PROMPT).logits
+        out = model.generate(PROMPT, max_new_tokens=tokens.shape[1] - PROMPT.shape[1], do_sample=False)
+    rel = ((got - logits).norm() / logits.norm()).item()
+    if experts == "F32":
+        assert rel < 1e-5 and torch.equal(out, tokens)
+        return
+    assert rel < 0.02   # measured 0.4% (Mixtral), 0.5% (OLMoE)
+    for mine, ref in zip(got[0], logits[0]):                                   # [V] per position
+        top = ref.topk(2).values
+        if top[0] - top[1] > (mine - ref).abs().max():
+            assert mine.argmax() == ref.argmax()
+
+
+def test_mixtral_permuted_q_and_k_stay_quantized_for_ggml(tmp_path):
+    """Quantized q/k of arch llama are kept as the file's blocks for ggml, their rows put back in
+    transformers' order (a row reorder: each row's blocks whole): their outputs equal the
+    dequantized, un-permuted torch weights' within ggml's 8-bit activations; left in the
+    file's order they would be another matrix (relative difference ~1.4)."""
+    from expertcache.runtime.cpudense import GgmlLinear
+
+    path = write_gguf(tmp_path / "m.gguf", "mixtral", "Q8_0", dense_type="Q8_0")
+    fast = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="ggml", cpu_graph="off")
+    exact = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="torch")
+    x = torch.randn(3, fast.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for name in ("q_proj", "k_proj"):
+        mine, ref = (getattr(m.model.layers[1].self_attn, name) for m in (fast, exact))
+        assert isinstance(mine, GgmlLinear) and not isinstance(ref, GgmlLinear)
+        with torch.no_grad():
+            assert ((mine(x) - ref(x)).norm() / ref(x).norm()).item() < 0.02, name
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_mixtral_and_olmoe_tokenizers_from_the_gguf(tmp_path, family):
+    """Mixtral's sentencepiece vocabulary (BOS added, pieces merged by score), OLMoE's byte-level BPE."""
+    from expertcache.loaders import load_tokenizer
+
+    tok = load_tokenizer(write_gguf(tmp_path / "m.gguf", family, "Q8_0"))
+    ids = tok("the cat").input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == "the cat" and len(ids) < len("the cat")
+    if family == "mixtral":
+        assert ids == [1, tok.convert_tokens_to_ids("▁the"), tok.convert_tokens_to_ids("▁cat")]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_transformers_still_maps_no_mixtral_or_olmoe_gguf(tmp_path, family):
+    """Pins why the loader maps their metadata itself: transformers reads a ``llama`` file as a
+    dense Llama and has no ``olmoe`` mapping. Drop that code when this starts failing."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = write_gguf(tmp_path / "m.gguf", family, "Q8_0")
+    try:
+        config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    except ValueError as err:
+        assert "not supported" in str(err)
+    else:
+        assert config["model_type"] == "llama" and "num_local_experts" not in config
+
+
+@pytest.mark.parametrize("key,value,match", [("rope.scaling.type", "linear", "RoPE scaling 'linear' in a llama"),
+                                             ("rope.dimension_count", 32, "RoPE over 32 of 64 head dimensions")])
+def test_a_llama_moe_file_with_other_rope_is_refused(tmp_path, key, value, match):
+    """Mixtral's RoPE is unscaled over the whole head: anything else is named, not guessed."""
+    from expertcache.loaders.gguf import _hf_config
+
+    header = read_header(write_gguf(tmp_path / "m.gguf", "mixtral", "Q8_0"))
+    header.metadata[f"llama.{key}"] = value
+    with pytest.raises(ValueError, match=match):
+        _hf_config(header)
+
+
 # -- bad input: one clear line, nothing half-loaded ---------------------------------------
 def _write(path, arch, tensors, **kv):
     writer = gguf.GGUFWriter(str(path), arch)

@@ -3,8 +3,9 @@ left in its blocks too: ``gguf_dense.py``), the experts left in their blocks.
 
 transformers' own GGUF loading dequantizes every tensor into host memory (a
 Qwen3-30B-A3B Q4_K_M file becomes 60 GiB of bf16). Here transformers supplies what it
-is good at (the config mapping, the GGUF -> HF tensor names, the tokenizer) and the
-model is built empty (``common.empty_model``); only the non-expert tensors are
+is good at (the config mapping, the GGUF -> HF tensor names, the tokenizer; for the archs it
+does not map, gpt-oss, ``llama`` with experts (Mixtral) and ``olmoe``, the config comes from
+llama.cpp's metadata keys here) and the model is built empty (``common.empty_model``); only the non-expert tensors are
 dequantized and assigned. Each MoE layer's experts stay as byte views of the file
 (``host_memory='mmap'``) or copies of those bytes (pinned with CUDA; both built by
 ``runtime.host``), in a ``QuantExperts`` with the ``Codec`` that turns them into the
@@ -80,18 +81,14 @@ def expert_codec(layer: dict[str, TensorRef], arch: str, dtype: torch.dtype) -> 
 
 
 def _hf_config(header: GgufModel):
-    """transformers' config mapping, corrected by the tensor shapes it does not read."""
+    """transformers' config mapping (or, for the archs it does not map, ours from llama.cpp's
+    metadata keys), corrected by the tensor shapes it does not read."""
     from transformers import AutoConfig
 
-    if header.arch == "gpt-oss":  # transformers 5.24 crashes reading gpt-oss rope metadata
-        values = _gpt_oss_values(header)
-    else:
-        values = transformers_config(header.paths[0])  # less tie_word_embeddings: set below
+    own = _OWN_MAPPING.get(header.arch)
+    values = own(header) if own else transformers_config(header.paths[0])  # less tie_word_embeddings: below
     # transformers 5.24 ignores expert_feed_forward_length (and the shared expert's size)
-    if header.model_type == "gpt_oss":
-        values["intermediate_size"] = header.expert_ff
-    else:
-        values["moe_intermediate_size"] = header.expert_ff
+    values[_EXPERT_FF_KEY.get(header.model_type, "moe_intermediate_size")] = header.expert_ff
     shared = header.tensors.get(f"blk.{header.moe_blocks[0]}.ffn_gate_shexp.weight")
     if shared is not None:
         values["shared_expert_intermediate_size"] = shared.shape[0]
@@ -143,27 +140,64 @@ def _vocab_size_stand_in(source) -> dict[str, int]:
 
 
 def _gpt_oss_values(header: GgufModel) -> dict:
-    """GptOssConfig values from llama.cpp's gpt-oss metadata keys."""
-    meta = header.metadata
-
-    def key(name, default=None):
-        return meta.get(f"gpt-oss.{name}", default)
-    values = {"num_hidden_layers": key("block_count"), "max_position_embeddings": key("context_length"),
-              "hidden_size": key("embedding_length"), "num_attention_heads": key("attention.head_count"),
-              "num_key_value_heads": key("attention.head_count_kv"), "head_dim": key("attention.key_length"),
-              "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "num_local_experts": key("expert_count"),
-              "num_experts_per_tok": key("expert_used_count"), "sliding_window": key("attention.sliding_window")}
-    values = {k: v for k, v in values.items() if v is not None}
-    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 150000.0))}
-    if key("rope.scaling.factor") is not None:
-        rope.update(rope_type="yarn", factor=float(key("rope.scaling.factor")), beta_fast=32.0, beta_slow=1.0,
-                    truncate=False,
-                    original_max_position_embeddings=int(key("rope.scaling.original_context_length", 4096)))
+    """GptOssConfig values from llama.cpp's gpt-oss metadata keys (transformers 5.24 crashes
+    reading its rope metadata)."""
+    values = _llama_cpp_values(header)
+    sliding = header.metadata.get("gpt-oss.attention.sliding_window")
+    if sliding is not None:
+        values["sliding_window"] = sliding
+    rope = {"rope_type": "default", "rope_theta": float(header.metadata.get("gpt-oss.rope.freq_base", 150000.0))}
+    factor = header.metadata.get("gpt-oss.rope.scaling.factor")
+    if factor is not None:
+        original = header.metadata.get("gpt-oss.rope.scaling.original_context_length", 4096)
+        rope.update(rope_type="yarn", factor=float(factor), beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=int(original))
     values["rope_parameters"] = rope
+    return values
+
+
+def _unscaled_values(header: GgufModel) -> dict:
+    """MixtralConfig / OlmoeConfig values from llama.cpp's metadata keys (transformers maps no
+    GGUF of either: Mixtral is arch ``llama`` with experts, which it reads as a dense Llama).
+    Their RoPE is unscaled and covers the whole head; anything else is refused, not guessed."""
+    meta, arch = header.metadata, header.arch
+    values = _llama_cpp_values(header)
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{header.paths[0].name}: RoPE scaling {scaling!r} in a {arch} MoE file is not read "
+                         "(Mixtral and OLMoE use unscaled RoPE)")
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{header.paths[0].name}: RoPE over {meta[f'{arch}.rope.dimension_count']} of "
+                         f"{head_dim} head dimensions (partial rotary) is not read for {arch}")
+    values["rope_parameters"] = {"rope_type": "default",
+                                 "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0))}
+    values.setdefault("pad_token_id", None)  # not the config class's default id, which names another vocabulary
+    if arch == "olmoe":  # llama.cpp's OLMoE: no renormalised top-k weights, no qkv clipping
+        values.update(norm_topk_prob=False, clip_qkv=None)
+    return values
+
+
+def _llama_cpp_values(header: GgufModel) -> dict:
+    """The config values every llama.cpp MoE arch states under ``{arch}.*`` and ``tokenizer.ggml.*``."""
+    meta, arch = header.metadata, header.arch
+    keys = {"num_hidden_layers": "block_count", "max_position_embeddings": "context_length",
+            "hidden_size": "embedding_length", "num_attention_heads": "attention.head_count",
+            "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+            "rms_norm_eps": "attention.layer_norm_rms_epsilon", "num_experts_per_tok": "expert_used_count",
+            _EXPERT_COUNT_KEY.get(header.model_type, "num_experts"): "expert_count"}
+    values = {name: meta[f"{arch}.{key}"] for name, key in keys.items() if f"{arch}.{key}" in meta}
     for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
         if f"tokenizer.ggml.{name}" in meta:
             values[name.replace("padding", "pad")] = int(meta[f"tokenizer.ggml.{name}"])
     return values
+
+
+# archs whose config comes from llama.cpp's keys here, not transformers' GGUF mapping
+_OWN_MAPPING = {"gpt-oss": _gpt_oss_values, "llama": _unscaled_values, "olmoe": _unscaled_values}
+# model_type -> its config's name for one expert's FF size and for the number of experts
+_EXPERT_FF_KEY = {"gpt_oss": "intermediate_size", "mixtral": "intermediate_size", "olmoe": "intermediate_size"}
+_EXPERT_COUNT_KEY = {"gpt_oss": "num_local_experts", "mixtral": "num_local_experts"}
 
 
 def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype, dense) -> None:
@@ -173,7 +207,8 @@ def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype, dense) 
                                                           get_gguf_hf_weights_map)
 
     processor = TENSOR_PROCESSORS.get(header.arch, TensorProcessor)(config=hf_config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    # the arch named: gguf-py has no "mixtral" (llama.cpp writes it as "llama")
+    names = get_gguf_hf_weights_map(model, processor, model_type=header.arch)
     for block in range(hf_config.num_hidden_layers):  # GPT-OSS's sinks: not in gguf-py's name map
         names.setdefault(f"blk.{block}.attn_sinks.weight", f"model.layers.{block}.self_attn.sinks")
     stored = place_stored(model, header, names, processor, dtype, dense)

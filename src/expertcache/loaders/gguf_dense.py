@@ -3,8 +3,11 @@
 A tensor does when the run computes on the CPU with ggml (``cpu_kernel`` 'ggml', or 'auto'
 with libggml-python installed), it is 2-D and not F32, it lands in an ``nn.Linear`` or
 ``nn.Embedding`` of the same shape, transformers' GGUF tensor processor leaves its values
-as stored (Llama's q/k permutation would not), and ggml has a kernel for its type. Every
-other tensor is dequantized as before; ``DenseReport`` says which stayed torch and why.
+as stored or only reorders its rows, and ggml has a kernel for its type. A reordered
+tensor (arch ``llama``'s q and k: llama.cpp's converter permutes their rows for ggml's
+interleaved RoPE, transformers' processor undoes it) is kept as a copy of its stored rows
+in transformers' order: quantized blocks never cross a row, so the reorder is exact.
+Every other tensor is dequantized as before; ``DenseReport`` says which stayed torch and why.
 """
 
 from __future__ import annotations
@@ -45,11 +48,11 @@ def place_stored(model: torch.nn.Module, header: GgufModel, names: dict[str, str
         module = _module(model, module_name)
         if param != "weight" or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             continue
-        why = _why_not(ref, module, processor, names)
+        why, order = _why_not(ref, module, processor, names)
         if why:
             report.fallback[module_name] = why
             continue
-        model.set_submodule(module_name, _stored(ref, module, dtype))
+        model.set_submodule(module_name, _stored(ref, module, dtype, order))
         report.ggml.append(module_name)
         placed.add(name)
     return placed
@@ -73,34 +76,49 @@ def _module(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
         return None
 
 
-def _why_not(ref: TensorRef, module: torch.nn.Module, processor, names: dict[str, str]) -> str | None:
-    """Why this tensor stays a torch float tensor, or None when ggml computes on its bytes."""
+def _why_not(ref: TensorRef, module: torch.nn.Module, processor,
+             names: dict[str, str]) -> tuple[str | None, np.ndarray | None]:
+    """(why this tensor stays a torch float tensor, or None when ggml computes on its bytes;
+    the row order transformers puts its rows in, or None when it keeps the stored one)."""
     if ref.fmt.name == "F32":
-        return "F32: float already"
+        return "F32: float already", None
     if ref.fmt.ggml_type < 0 or not ggml.has_kernel(ref.fmt.ggml_type):
-        return f"no ggml CPU kernel for {ref.fmt.name}"
+        return f"no ggml CPU kernel for {ref.fmt.name}", None
     shape = (module.out_features, module.in_features) if isinstance(module, torch.nn.Linear) \
         else (module.num_embeddings, module.embedding_dim)
     if tuple(ref.shape) != shape:
-        return f"stored shape {tuple(ref.shape)} is not the module's {shape}"
-    if not _kept_as_stored(processor, ref, names):
-        return "transformers' GGUF processor rewrites it"
-    return None
+        return f"stored shape {tuple(ref.shape)} is not the module's {shape}", None
+    order = _row_order(processor, ref, names)
+    if order is False:
+        return "transformers' GGUF processor rewrites it", None
+    return None, order
 
 
-def _kept_as_stored(processor, ref: TensorRef, names: dict[str, str]) -> bool:
-    """Whether transformers' tensor processor passes this tensor through unchanged: probed
-    with one column of row numbers (a row permutation or a rename would show)."""
+def _row_order(processor, ref: TensorRef, names: dict[str, str]) -> np.ndarray | None | bool:
+    """What transformers' tensor processor does to this tensor, probed with one column of row
+    numbers: None (passes it through), the stored row of each row it outputs ([rows] int64: a
+    reorder, arch ``llama``'s q and k), or False (anything else: a rename, changed values)."""
     rows = ref.shape[0]
     probe = np.arange(rows, dtype=np.float32).reshape(rows, 1)                     # [rows, 1]
     result = processor.process(weights=probe, name=ref.name, tensor_key_mapping=names,
                                parsed_parameters={"tensors": {}})
-    return result.name == ref.name and np.array_equal(np.asarray(result.weights), probe)
+    out = np.asarray(result.weights)
+    if result.name != ref.name or out.shape != probe.shape:
+        return False
+    if np.array_equal(out, probe):
+        return None
+    order = out[:, 0].astype(np.int64)
+    return order if np.array_equal(np.sort(order), probe[:, 0]) else False
 
 
-def _stored(ref: TensorRef, module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def _stored(ref: TensorRef, module: torch.nn.Module, dtype: torch.dtype,
+            order: np.ndarray | None = None) -> torch.nn.Module:
+    """The ggml module over the tensor's bytes: the mapped file, or with ``order`` a copy of its
+    rows in that order (each row's blocks whole)."""
     data = file_bytes(ref.file, ref.offset, 1, ref.nbytes, "mmap").view(-1)        # [nbytes] uint8, mapped
     rows, cols = ref.shape
+    if order is not None:
+        data = data.view(rows, -1)[torch.from_numpy(order)].reshape(-1)           # [nbytes] uint8, a copy
     if isinstance(module, torch.nn.Embedding):
         return GgmlEmbedding(data, ref.fmt.ggml_type, rows, cols, dtype, module.padding_idx)
     return GgmlLinear(data, ref.fmt.ggml_type, rows, cols, bias=module.bias is not None)

@@ -38,9 +38,12 @@ Families: Qwen3-MoE and Qwen2-MoE (shared expert, qkv biases), GPT-OSS (attentio
 through ``flash_attn_ext_add_sinks``, sliding and full layers in turn, YaRN RoPE read from
 transformers' frequencies (``freq_factors``, its attention factor on cos and sin), q / k / v / o
 biases, the router's bias and softmax over the top-k logits, expert biases by ``add_id``, the
-clamped SwiGLU by ``swiglu_oai``). Others keep the eager path and ``support()`` and
-``summary()['cpu_graph_reason']`` say why (Mixtral and OLMoE: transformers maps no GGUF of
-theirs; GPT-OSS from an HF MXFP4 checkpoint: gate and up alternate in one tensor).
+clamped SwiGLU by ``swiglu_oai``), Mixtral (Qwen3-MoE's graph without q/k norms; its router
+always renormalises the top-k weights) and OLMoE (q/k RMS norms over all heads' values before
+the head split; top-k weights as ``norm_topk_prob`` says: not renormalised in llama.cpp's
+files). Others keep the eager path and ``support()`` and ``summary()['cpu_graph_reason']`` say
+why (DeepSeek: no GGUF of it loads, and MLA is not built; GPT-OSS from an HF MXFP4 checkpoint:
+gate and up alternate in one tensor).
 Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
 is computed from them); a run with a CPU slot cache keeps the per-layer path; a resident run
 over the RAM tier (``host_memory='tiered'``) reads the tier's rows, in segments (runtime/ggmltier.py).
@@ -59,12 +62,12 @@ from ..stats import DECODE, PREFILL
 from .cpudense import GgmlEmbedding, GgmlLinear
 from .threads import ggml_threads
 
-# the families whose quantized experts reach ggml here (GGUF files transformers 5.24 maps)
-FAMILIES = {"qwen3_moe", "qwen2_moe", "gpt_oss"}
+# the families whose quantized experts reach ggml here (the GGUF files loaders/gguf.py reads)
+FAMILIES = {"qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "olmoe"}
 # why a family is not among them (their models never reach the graph's check today: no GGUF
 # file of theirs loads, so their experts are never the quantized bytes ggml reads)
-_NOT_BUILT = {"mixtral": "transformers has no GGUF mapping for Mixtral",
-              "olmoe": "transformers has no GGUF mapping for OLMoE"}
+_NOT_BUILT = {"deepseek_v3": "no GGUF of it loads (arch deepseek2: transformers maps none) and its "
+                             "multi-head latent attention (MLA) is not built in the graph"}
 # RoPE types whose frequencies change with the sequence length (``dynamic_rope_update``)
 _DYNAMIC_ROPE = {"dynamic", "longrope"}
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
@@ -190,12 +193,16 @@ class _Spec:
         sinks = getattr(attn, "sinks", None)                                     # GPT-OSS: [N]
         if sinks is not None:
             spec["sinks"] = _vector(sinks.data)
-        for name in ("q_norm", "k_norm"):
+        for name, heads in (("q_norm", self.heads), ("k_norm", self.kv_heads)):
             norm = getattr(attn, name, None)
-            if norm is not None:
-                if norm.weight.numel() != self.head_dim:
-                    raise Unsupported(f"{name} over more than one head")
-                spec[name] = (_vector(norm.weight), _eps(norm))
+            if norm is None:
+                continue
+            if norm.weight.numel() not in (self.head_dim, heads * self.head_dim):
+                raise Unsupported(f"{name} over {norm.weight.numel()} values: neither one head nor all")
+            # Qwen3: per head; OLMoE: over all heads' values at once, before the head split
+            spec[name] = (_vector(norm.weight), _eps(norm), norm.weight.numel() != self.head_dim)
+        if "q_norm" in spec and spec["q_norm"][2] != spec.get("k_norm", spec["q_norm"])[2]:
+            raise Unsupported("q_norm and k_norm over different spans (one head, all heads)")
         mlp = layer.mlp
         experts = getattr(mlp, "experts", None)
         if experts is None:  # a dense layer (Qwen's mlp_only_layers, decoder_sparse_step)
@@ -215,8 +222,7 @@ class _Spec:
         if not kernel._silu_gate(experts):
             raise Unsupported(f"layer {i}: an expert gate other than SiLU(gate) * up")
         router = mlp.gate
-        norm = bool(getattr(router, "norm_topk_prob", False))
-        spec["moe"] = {"router": _vector(router.weight), "top_k": router.top_k, "norm": norm,
+        spec["moe"] = {"router": _vector(router.weight), "top_k": router.top_k, "norm": _renormalises(i, router),
                        "experts": experts_, "index": index}
         if getattr(mlp, "shared_expert", None) is not None:
             spec["shared"] = self._dense_mlp(mlp.shared_expert)
@@ -233,9 +239,25 @@ class _Spec:
         return {"gate": _linear(mlp.gate_proj), "up": _linear(mlp.up_proj), "down": _linear(mlp.down_proj)}
 
 
+def _renormalises(i: int, router: torch.nn.Module) -> bool:
+    """Whether this softmax router divides its top-k weights by their sum: Qwen and OLMoE as
+    ``norm_topk_prob`` says (OLMoE: False), Mixtral always (its router has no such switch:
+    checked against transformers' code, so another router is not taken for it)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    if type(router).forward is MixtralTopKRouter.forward:
+        return True
+    if not hasattr(router, "norm_topk_prob"):
+        raise Unsupported(f"layer {i}: {type(router).__name__}: a router whose top-k weights the graph cannot read")
+    return bool(router.norm_topk_prob)
+
+
 def _windows(cfg) -> list[int | None]:
     """Each layer's sliding window (transformers' ``layer_types``), or None for full attention."""
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None and getattr(cfg, "sliding_window", None):   # Mixtral's: every layer, no layer_types
+        raise Unsupported(f"a sliding window ({cfg.sliding_window}) without layer_types")
+    types = types or ["full_attention"] * cfg.num_hidden_layers
     windows = []
     for i, kind in enumerate(types):
         if kind not in ("full_attention", "sliding_attention"):
@@ -357,9 +379,12 @@ class _StepGraph:
         D, N, M = s.head_dim, s.heads, s.kv_heads
         h = self._norm(x, L["in_norm"])                                          # [H, T]
         q, k, v = self._mm(L["q"], h), self._mm(L["k"], h), self._mm(L["v"], h)  # [N*D | M*D, T]
+        whole = "q_norm" in L and L["q_norm"][2]
+        if whole:                                                                # OLMoE: all heads
+            q, k = self._norm(q, L["q_norm"][:2]), self._norm(k, L["k_norm"][:2])
         q, k = g.reshape_3d(q, D, N, T), g.reshape_3d(k, D, M, T)               # [D, N | M, T]
-        if "q_norm" in L:                                                        # Qwen3: per head
-            q, k = self._norm(q, L["q_norm"]), self._norm(k, L["k_norm"])
+        if "q_norm" in L and not whole:                                          # Qwen3: per head
+            q, k = self._norm(q, L["q_norm"][:2]), self._norm(k, L["k_norm"][:2])
         q = g.rope(q, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base, 1.0, self.freq_factors, s.attn_factor)
         k = g.rope(k, self.pos, s.n_rot, gg.ROPE_NEOX, s.rope_base, 1.0, self.freq_factors, s.attn_factor)
         kc = g.leaf(GGML_TYPE_F32, (M * D, C), k_buf.data_ptr())                 # [M*D, C]
