@@ -136,3 +136,17 @@ def test_layouts_not_read_by_offset_say_so(checkpoints, tmp_path):
     torch.save({}, bin_only / "pytorch_model.bin")
     with pytest.raises(ValueError, match="reads experts by offset from safetensors files; this checkpoint has none"):
         expertcache.offload(bin_only, device="cpu", baseline="resident", host_memory="tiered", host_budget="50%")
+
+
+def test_transformers_conversion_mapping_as_read_here():
+    """Pins the transformers internals the tier's loader reads (conversion_mapping): Mixtral's
+    renaming, and the per-expert merges whose '*' is the expert index."""
+    from expertcache.loaders.tiered_checkpoint import _converters, renamer
+
+    assert renamer("mixtral")("model.layers.3.block_sparse_moe.gate.weight") == "model.layers.3.mlp.gate.weight"
+    assert renamer("qwen3_moe")("model.layers.3.mlp.gate.weight") == "model.layers.3.mlp.gate.weight"
+    merges = {target: (sources, ops) for sources, target, ops in _converters("qwen3_moe")}
+    sources, ops = merges["mlp.experts.gate_up_proj"]
+    assert sources == ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"]
+    assert ops == ["MergeModulelist", "Concatenate"]
+    assert merges["mlp.experts.down_proj"] == (["mlp.experts.*.down_proj.weight"], ["MergeModulelist"])
