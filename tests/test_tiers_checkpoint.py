@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import expertcache  # noqa: E402
-from expertcache.loaders.safetensors_index import read_header  # noqa: E402
+from expertcache.ggufmodel.safetensors import read_header  # noqa: E402
 from tiny_moe import save_checkpoint, tiny_model  # noqa: E402
 
 PROMPT = torch.tensor([[5, 9, 77, 12, 3, 44]])
@@ -150,3 +150,25 @@ def test_transformers_conversion_mapping_as_read_here():
     assert sources == ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"]
     assert ops == ["MergeModulelist", "Concatenate"]
     assert merges["mlp.experts.down_proj"] == (["mlp.experts.*.down_proj.weight"], ["MergeModulelist"])
+
+
+def test_plan_sizes_a_checkpoint_from_its_headers(checkpoints, tmp_path):
+    """`plan DIR` (and the cost model) reads layers, experts, top-k and one expert's bytes from
+    config.json and the safetensors headers: float in its own dtype, FP8 with its scale tiles."""
+    from expertcache.costmodel import model_experts
+    from test_hf_quant import write_fp8
+
+    m = model_experts(str(checkpoints("qwen3_moe")), compute_dtype="float32")
+    assert (m.layers, m.experts, m.top_k, m.quant) == (2, 8, 2, "f32")
+    assert m.cost.expert_bytes == 3 * 24 * 32 * 4 and m.cost.expert_flops == 2.0 * 3 * 24 * 32
+    path, _ = write_fp8(tmp_path / "fp8", ff=192)         # hidden 256; 128 x 128 tiles, partial at 192
+    m = model_experts(str(path), compute_dtype="bfloat16")
+    scales = 2 * (2 * 2) + 2 * 2                           # gate, up [2, 2] tiles; down [2, 2] tiles
+    assert m.quant == "f8_e4m3" and m.cost.expert_bytes == 3 * 192 * 256 + 4 * scales
+    assert m.cost.compute_bytes == 3 * 192 * 256 * 2        # dequantized into bf16
+    with pytest.raises(ValueError, match="no expert tensors"):
+        (tmp_path / "dense").mkdir()
+        (tmp_path / "dense" / "config.json").write_text('{"num_experts_per_tok": 2}')
+        from safetensors.torch import save_file
+        save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, tmp_path / "dense" / "model.safetensors")
+        model_experts(str(tmp_path / "dense"))

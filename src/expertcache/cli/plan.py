@@ -10,13 +10,15 @@ def add_parser(sub) -> None:
     from ..config import CPU_KERNELS, DTYPES, PARTITIONS
 
     p = sub.add_parser("plan", help="before loading: slots per slot format, predicted tok/s, a recommendation",
-                       description="Reads only the model's header (a GGUF file, or a preset name with --quant) "
+                       description="Reads only the model's header (a GGUF file, a safetensors checkpoint directory, "
+                                   "or a preset name with --quant) "
                                    "and predicts, for a device memory budget, how many experts each slot "
                                    "format holds, the hit rate per policy (simulator, on --trace or a "
                                    "calibrated synthetic trace) and the steady decode tok/s per policy, "
                                    "slot format and miss path (cost model, --hardware), next to the "
                                    "copy-every-pass and cpu baselines; recommends the fastest.")
-    p.add_argument("model", help="a .gguf model file, or a preset (see 'expertcache sim --help')")
+    p.add_argument("model", help="a .gguf model file, a safetensors checkpoint directory, or a preset "
+                   "(see 'expertcache sim --help')")
     p.add_argument("--gpu-memory", required=True, metavar="SIZE", help="budget for the slot pool, e.g. 8GiB")
     p.add_argument("--quant", metavar="TYPE", help="with a preset: its experts in this ggml type, e.g. Q4_K")
     p.add_argument("--trace", help="routing trace .npz of this model (default: a calibrated synthetic one "

@@ -1,4 +1,4 @@
-"""One expert's size and cost from a model preset or a GGUF file's header (torch-free).
+"""One expert's size and cost from a model preset, a GGUF file's header or a safetensors checkpoint's (torch-free).
 
 ``--model qwen3-30b-a3b --quant Q4_K`` sizes the preset's expert in a ggml block type
 (gate and up rows hold ``hidden`` weights, down rows ``expert_ff``); ``--model
@@ -33,7 +33,8 @@ class ModelExperts:
 
 def model_experts(model: str, quant: str | None = None, dense_bytes: int = 0,
                   compute_dtype: str = "bfloat16") -> ModelExperts:
-    """``model``: a preset name or a .gguf path; ``quant``: a ggml type for a preset's experts.
+    """``model``: a preset name, a .gguf path or a safetensors checkpoint directory; ``quant``: a
+    ggml type for a preset's experts.
 
     A GGUF whose layers store different types (llama.cpp's Q4_K_M) is sized by its largest
     layer's expert, as the runtime sizes its quantized slots."""
@@ -42,6 +43,10 @@ def model_experts(model: str, quant: str | None = None, dense_bytes: int = 0,
     width = COMPUTE_BYTES[compute_dtype]
     if dense_bytes < 0:
         raise ValueError(f"dense bytes must not be negative, got {dense_bytes}")
+    if Path(model).is_dir():
+        if quant is not None:
+            raise ValueError("--quant is for a preset; a checkpoint says its own dtypes")
+        return _from_checkpoint(model, dense_bytes, compute_dtype)
     if model.lower().endswith(".gguf") or Path(model).is_file():
         if quant is not None:
             raise ValueError("--quant is for a preset; a GGUF file says its own quant types")
@@ -67,3 +72,17 @@ def _from_gguf(path: str, dense_bytes: int, compute_dtype: str) -> ModelExperts:
                              for t in names.split("/")}))
     return ModelExperts(Path(path).name, len(header.moe_blocks), header.num_experts, header.top_k, cost, types,
                         compute_dtype)
+
+
+def _from_checkpoint(path: str, dense_bytes: int, compute_dtype: str) -> ModelExperts:
+    """A safetensors checkpoint's experts, from config.json and the tensor headers. Float experts
+    compute in their own dtype; FP8 / MXFP4 ones are dequantized into ``compute_dtype``."""
+    from ..ggufmodel.safetensors import checkpoint_experts
+
+    shape = checkpoint_experts(Path(path))
+    floats = set(shape.dtypes.split("/")) <= {"BF16", "F16", "F32"}
+    compute = None if floats else shape.params * COMPUTE_BYTES[compute_dtype]
+    cost = ExpertCost(shape.expert_bytes, 2.0 * shape.params, dense_bytes, compute_bytes=compute)
+    label = shape.dtypes.lower()
+    return ModelExperts(Path(path).name, shape.layers, shape.experts, shape.top_k, cost, label,
+                        label if floats else compute_dtype)

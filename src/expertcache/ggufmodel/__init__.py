@@ -1,1 +1,2 @@
-"""GGUF MoE files: the header (torch-free). Loading one is ``loaders/gguf.py``."""
+"""Model files' headers (torch-free): GGUF MoE files (loading one is ``loaders/gguf.py``) and
+safetensors checkpoints' tensor offsets (``safetensors.py``)."""

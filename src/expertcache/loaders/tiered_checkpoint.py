@@ -5,7 +5,7 @@ For checkpoints larger than RAM (DeepSeek-V3 / Kimi-K2 in block FP8, Qwen3-235B 
 (``common.empty_model``), the dense tensors are read with ``safe_open`` and assigned
 (``hf_quant._load_dense``, FP8 linears dequantized), and each MoE layer's experts become
 ``PartRange``s of the RAM tier (runtime/tiered.py): per expert and part, the file and offset
-the safetensors header gives (``safetensors_index.py``). The tier reads them with ``O_DIRECT``
+the safetensors header gives (``ggufmodel/safetensors.py``). The tier reads them with ``O_DIRECT``
 as it does a GGUF's.
 
 Which checkpoint tensors make up an experts module's weights is transformers' own table
@@ -37,7 +37,7 @@ from ..runtime.tiered import PartRange, build_tiered
 from .checkpoint import check_checkpoint_dir
 from .common import drop_expert_params, empty_model, find_experts
 from .hf_quant import _Checkpoint, _check_shapes, _load_dense, _quant_settings
-from .safetensors_index import StoredTensor, stored_tensors
+from ..ggufmodel.safetensors import StoredTensor, stored_tensors
 
 _FLOATS = ("BF16", "F16", "F32")
 

@@ -1,4 +1,5 @@
-"""Where each tensor of a safetensors checkpoint lives: file, byte offset, size, dtype, shape.
+"""Where each tensor of a safetensors checkpoint lives: file, byte offset, size, dtype, shape
+(torch-free); and the shape of its routed experts, for ``plan`` (``checkpoint_experts``).
 
 The RAM tier (``host_memory='tiered'``, runtime/tiered.py) reads experts by offset with
 ``O_DIRECT`` instead of through ``safe_open``'s memory map. The ``safetensors`` package reads
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,3 +93,57 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
                              "the file is truncated")
         out[name] = StoredTensor(file, base + begin, end - begin, dtype, shape)
     return out
+
+
+# an expert's tensor: ``...layers.L.<anything>experts.E.<rest>`` (one per expert), or a stacked
+# ``...layers.L.<anything>experts.<name>`` [E, ...] (GPT-OSS, GraniteMoE, fused FP8)
+_PER_EXPERT = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.")
+_STACKED = re.compile(r"layers\.(\d+)\..*experts\.[a-z_]+$")
+_NOT_WEIGHTS = ("_scale_inv", "_scales", "bias")   # scales and biases: bytes, not parameters
+
+
+@dataclass(frozen=True)
+class CheckpointExperts:
+    """The routed experts of a checkpoint: MoE layers, experts each, top-k, one expert's stored
+    bytes (every tensor of it: weights, scales, biases), its weights' parameters, their dtypes."""
+
+    layers: int
+    experts: int
+    top_k: int
+    expert_bytes: int
+    params: int
+    dtypes: str
+
+
+def checkpoint_experts(path: Path) -> CheckpointExperts:
+    """Read from config.json and the safetensors headers alone (no tensor is read). MXFP4's
+    blocks count two parameters a byte."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: no readable config.json ({err}); give a checkpoint directory") from None
+    top_k = config.get("num_experts_per_tok") or config.get("moe_topk")
+    layers: dict[int, dict[int, list[tuple[str, int, int]]]] = {}  # layer -> expert -> (name, bytes, params)
+    stored = stored_tensors(path)
+    for name, t in stored.items():
+        if m := _PER_EXPERT.search(name):
+            layers.setdefault(int(m[1]), {}).setdefault(int(m[2]), []).append((name, t.nbytes, _params(name, t.shape)))
+        elif (m := _STACKED.search(name)) and len(t.shape) >= 2:
+            per = layers.setdefault(int(m[1]), {})
+            for e in range(t.shape[0]):                   # each expert its slice of the stack
+                per.setdefault(e, []).append((name, t.nbytes // t.shape[0], _params(name, t.shape[1:])))
+    if not layers or not top_k:
+        why = "no expert tensors" if not layers else "no num_experts_per_tok in config.json"
+        raise ValueError(f"{path}: {why}; plan sizes MoE checkpoints (experts.N.* or stacked experts.* tensors)")
+    first = layers[min(layers)]
+    parts = first[min(first)]
+    dtypes = {stored[name].dtype for name, _, n in parts if n}
+    return CheckpointExperts(len(layers), len(first), int(top_k), sum(b for _, b, _ in parts),
+                             sum(n for _, _, n in parts), "/".join(sorted(dtypes)))
+
+
+def _params(name: str, shape: tuple[int, ...]) -> int:
+    if any(k in name for k in _NOT_WEIGHTS) and not name.endswith("_blocks"):
+        return 0
+    return math.prod(shape) * (2 if name.endswith("_blocks") else 1)   # MXFP4: 2 weights a byte
