@@ -138,3 +138,49 @@ def test_the_setting_is_checked_and_reaches_the_config():
     add_cache_options(p)
     assert cache_config(p.parse_args(["--baseline", "resident", "--cpu-repack", "off"])).cpu_repack == "off"
     assert cache_config(p.parse_args(["--baseline", "resident"])).cpu_repack == "auto"
+
+
+def test_row_repack_is_the_stacked_layout_and_its_kernel():
+    """``RowRepack`` (the RAM tier's rows): experts repacked one by one, back to back, are the bytes
+    ggml's own repack of the whole stack [cols, rows, E] gives, with the same traits; a
+    ``mul_mat_id`` over them marked repacked computes the plain kernel's result within float
+    rounding (a stride wider than an expert, as a tier row of a mixed-type model, included)."""
+    _repacking()
+    import ctypes
+
+    import numpy as np
+
+    I, H, E, T, K = 64, 96, 5, 3, 2                                      # [I, H] gate / up, [H, I] down
+    rng = np.random.default_rng(0)
+
+    def q4(rows, cols, stride):                                          # E experts, random blocks
+        a = np.zeros((E, stride), np.uint8)
+        blocks = rng.integers(0, 256, (E, rows * cols // 32, 18), dtype=np.uint8)
+        blocks[:, :, 0], blocks[:, :, 1] = 0, rng.choice([0x20, 0x24, 0x28], blocks.shape[:2])  # f16 scales
+        a[:, :blocks[0].size] = blocks.reshape(E, -1)
+        return a
+
+    packers = [ggmlrepack.RowRepack.of(Q4_0, H, I), ggmlrepack.RowRepack.of(Q4_0, H, I),
+               ggmlrepack.RowRepack.of(Q4_0, I, H)]
+    plain = [q4(I, H, p.nbytes) for p in packers[:2]] + [q4(H, I, packers[2].nbytes + 64)]
+    packed = [np.zeros_like(a) for a in plain]
+    for a, out, p in zip(plain, packed, packers):
+        for e in range(E):
+            p.pack(out[e].ctypes.data, a[e].ctypes.data)
+    repacked = ggmlrepack.Repacked()                                     # holds the stack's buffer
+    stack = repacked.tensor(Q4_0, (H, I, E), plain[0].ctypes.data, plain[0].shape[1])
+    whole = np.ctypeslib.as_array((ctypes.c_uint8 * plain[0].size).from_address(stack.contents.data))
+    assert np.array_equal(whole.reshape(E, -1), packed[0]) and stack.contents.extra == packers[0].extra
+
+    gen = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(T, H, generator=gen), torch.randint(0, E, (T, K), dtype=torch.int32, generator=gen)
+    outs = []
+    for weights, marks in ((plain, [None] * 3), (packed, packers), (packed, [None] * 3)):
+        ws = [ggml.Weight(Q4_0, *((I, H) if i < 2 else (H, I)), E, w.shape[1], m)
+              for i, (w, m) in enumerate(zip(weights, marks))]
+        out = torch.empty(T * K, H)                                       # [T*K, H]
+        ggml.SiluMlpId(*ws, T, K, 1)([w.ctypes.data for w in weights], x.data_ptr(), ids.data_ptr(), out.data_ptr())
+        outs.append(out)
+    assert ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 1e-5
+    assert not torch.allclose(outs[2], outs[0], rtol=0.1, atol=0.1)   # unmarked: the plain kernel misreads them
+    assert ggmlrepack.RowRepack.of(8, H, I) is None                      # Q8_0: no x86 layout (NEON has one)

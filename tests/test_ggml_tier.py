@@ -15,7 +15,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
 import expertcache  # noqa: E402
-from expertcache.quant import ggml  # noqa: E402
+from expertcache.integrations.record import record  # noqa: E402
+from expertcache.quant import ggml, ggmlrepack  # noqa: E402
+from expertcache.sim.tiers import replay_tiers  # noqa: E402
 from gguf_models import write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ggml.available()[0], reason=f"ggml kernels: {ggml.available()[1]}")
@@ -36,7 +38,8 @@ def _tiered(path, budget=0.25, **kw):
 
 
 def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
-    # the resident graph with its experts read in place, as the tier's rows are (never repacked)
+    # Q8_0 experts: ggml repacks none on x86 (nor with cpu_repack='off'), so the tier's rows hold
+    # the file's bytes and the graph reads them with the resident graph's in-place kernel
     ref = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy",
                               cpu_repack="off").generate(PROMPT, **KW)
     eager = _tiered(model_file, cpu_graph="off").generate(PROMPT, **KW)
@@ -109,3 +112,126 @@ def test_slots_with_a_tier_keep_the_per_layer_path(model_file):
     summary = model.expertcache.summary()
     assert summary["cpu_graph"] == "off"
     assert "host_memory='tiered' with slots or baseline 'cpu'" in summary["cpu_graph_reason"]
+
+
+# -- rows in ggml's repacked layout (Q4_0 experts: ggml repacks them on AVX2 and NEON) ------
+PARTS = ["down.weight", "gate.weight", "up.weight"]
+
+
+@pytest.fixture(scope="module")
+def q4_file(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("ggml_tier_q4") / "q4.gguf", "qwen3_moe", "Q4_0", layers=3, experts=16)
+
+
+def _repacking():
+    """Skip where this CPU's ggml repacks no Q4_0 expert (the layouts are per instruction set)."""
+    if ggmlrepack.RowRepack.of(2, 32, 8) is None:   # Q4_0, 8 rows of one block
+        pytest.skip("ggml repacks no Q4_0 weight on this CPU (no CPU_REPACK buffer, or no AVX2 / NEON layout)")
+
+
+@pytest.fixture(scope="module")
+def q4_resident(q4_file):
+    """The all-in-RAM graph's run, experts repacked (the default) and read in place."""
+    return {repack: expertcache.offload(q4_file, device="cpu", baseline="resident", host_memory="copy",
+                                        cpu_repack=repack).generate(PROMPT, **KW) for repack in ("auto", "off")}
+
+
+def _rel(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_repacked_rows_equal_the_resident_repacked_graph(q4_file, q4_resident):
+    """The tier's rows repacked as they are read: the tier's graph runs the resident graph's
+    repacked kernel on the same bytes, so its logits equal the resident repacked run's bit for
+    bit; against the tier's rows read in place they differ by float rounding only (the repacked
+    kernel sums in another order). cpu_repack='off' keeps the rows the file's bytes: the
+    resident graph's in-place run, bit for bit."""
+    _repacking()
+    model = _tiered(q4_file)
+    summary = model.expertcache.summary()
+    assert "experts from the RAM tier's rows (down.weight, gate.weight, up.weight repacked for ggml's CPU " \
+           "kernels as they are read)" in summary["cpu_graph_reason"]
+    got = model.generate(PROMPT, **KW)
+    assert model._expertcache_graph.steps == NEW - 1
+    tier = model.expertcache.stats().pool["tier"]
+    assert tier["repacked"] == PARTS and tier["decode"]["file_reads"] > 0 and tier["decode"]["ram_hits"] > 0
+    assert "rows of down.weight, gate.weight, up.weight repacked" in model.expertcache.tier.summary_line()
+    ref = q4_resident["auto"]
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
+
+    plain = _tiered(q4_file, cpu_repack="off")
+    assert "rows (read in place: cpu_repack='off')" in plain.expertcache.summary()["cpu_graph_reason"]
+    assert plain.expertcache.stats().pool["tier"]["repacked"] == []
+    off = plain.generate(PROMPT, **KW)
+    assert torch.equal(off.sequences, got.sequences)
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(got.logits, off.logits))
+    assert any(not torch.equal(a, b) for a, b in zip(got.logits, off.logits))  # the repacked kernel ran
+    assert all(torch.equal(a, b) for a, b in zip(off.logits, q4_resident["off"].logits))
+
+
+def test_repacked_rows_read_ahead_and_sim_equals_live(q4_file, q4_resident):
+    """Guesses read ahead into staging rows (the file's bytes) are repacked when a step takes them:
+    every guess read, the logits equal the run without read-ahead; the tier's counts equal sim's
+    replay of the run's routing (recorded on the per-layer path, which reads the repacked rows too)."""
+    _repacking()
+    runs = []
+    for ahead in (True, False):
+        model = _tiered(q4_file)
+        if ahead:
+            model._expertcache_graph.prefetch.min_precision = 0.0
+        else:
+            model._expertcache_graph.spec.prefetch = None
+        out = model.generate(PROMPT, **KW)
+        live = model.expertcache.stats().pool["tier"]
+        runs.append((model, out, live))
+    (model, a, live), (_, b, _) = runs
+    assert live["prefetch"]["used"] > 0 and live["repacked"] == PARTS
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    assert torch.equal(a.sequences, q4_resident["auto"].sequences)
+    cache = model.expertcache
+    trace = record(model, PROMPT, NEW)
+    sim = replay_tiers(trace, cache.tier.rows, "default", 0, "default", expert_bytes=cache.expert_bytes)
+    for phase in ("prefill", "decode"):
+        replayed = sim.to_dict()[phase]
+        assert (live[phase]["accesses"], live[phase]["ram_hits"], live[phase]["file_reads"], live[phase]["tokens"]) \
+            == (replayed["ram_accesses"], replayed["ram_hits"], replayed["file_reads"], replayed["tokens"]), phase
+
+
+def test_the_per_layer_path_reads_repacked_rows(q4_file, q4_resident):
+    """Forwards the graph does not take (here: all of them, the decoder disabled; a prompt over one
+    chunk) run the per-layer kernels on the same rows, through ggml's repacked kernels: the tokens
+    of the per-layer tier without the graph (rows the file's bytes, cpu_graph='off'), logits within
+    float rounding of it (the plain kernel on repacked bytes would compute garbage)."""
+    _repacking()
+    model = _tiered(q4_file)
+    kernels = model.expertcache.kernels
+    assert all(sorted(k.packed) == PARTS for k in kernels)
+    model._expertcache_graph.enabled = False
+    got = model.generate(PROMPT, **KW)
+    assert model._expertcache_graph.steps == 0 and model.expertcache.stats().pool["tier"]["decode"]["file_reads"] > 0
+    plain = _tiered(q4_file, cpu_graph="off")
+    assert plain.expertcache.stats().pool["tier"]["repacked"] == [] and not plain.expertcache.kernels[0].packed
+    ref = plain.generate(PROMPT, **KW)
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(got.logits, ref.logits))
+    assert any(not torch.equal(a, b) for a, b in zip(got.logits, ref.logits))  # the repacked kernel ran
+
+    prompt = torch.arange(300).remainder(250).unsqueeze(0)  # over one chunk: the per-layer path
+    want = expertcache.offload(q4_file, device="cpu", baseline="resident", host_memory="copy").generate(
+        prompt, max_new_tokens=3, do_sample=False)
+    model = _tiered(q4_file)
+    assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False), want)
+    assert model._expertcache_graph.steps == 2
+
+
+def test_repacked_rows_in_a_step_wider_than_the_tier(q4_file, q4_resident):
+    """3 rows: the prompt's steps bypass the tier into a compact copy, whose rows are copied from
+    repacked rows or repacked as read: the resident repacked run's logits, bit for bit."""
+    _repacking()
+    model = _tiered(q4_file, 3 / 48)
+    got = model.generate(PROMPT, **KW)
+    assert model.expertcache.tier.table.stats().sums("prefill")["bypasses"] > 0
+    ref = q4_resident["auto"]
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))

@@ -155,12 +155,15 @@ def _threadpool(n_threads: int) -> int | None:
 
 
 class Weight:
-    """One stacked weight: ``n`` matrices ``[rows, cols]`` of ``ggml_type``, ``stride`` bytes apart."""
+    """One stacked weight: ``n`` matrices ``[rows, cols]`` of ``ggml_type``, ``stride`` bytes apart;
+    ``packed``: their bytes are in ggml's repacked layout (a ``ggmlrepack.RowRepack`` of that
+    shape: the RAM tier's rows under the graph decode), read by the repacked kernels."""
 
-    __slots__ = ("ggml_type", "rows", "cols", "n", "stride")
+    __slots__ = ("ggml_type", "rows", "cols", "n", "stride", "packed")
 
-    def __init__(self, ggml_type: int, rows: int, cols: int, n: int, stride: int) -> None:
+    def __init__(self, ggml_type: int, rows: int, cols: int, n: int, stride: int, packed=None) -> None:
         self.ggml_type, self.rows, self.cols, self.n, self.stride = ggml_type, rows, cols, n, stride
+        self.packed = packed
 
 
 class _Graph:
@@ -180,6 +183,8 @@ class _Graph:
         """A tensor header for stacked weight ``w`` (its data pointer set per run)."""
         t = _LIBS[0].ggml_new_tensor_3d(self._ctx, w.ggml_type, w.cols, w.rows, w.n)  # ne: [cols, rows, n]
         t.contents.nb[2] = w.stride  # a slot may be larger than this layer's expert
+        if w.packed is not None:
+            w.packed.mark(t)
         return t
 
     def _plan(self, outs: list, n_threads: int) -> None:

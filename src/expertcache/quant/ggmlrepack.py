@@ -16,6 +16,10 @@ count the kernels do not take); such tensors stay where they are.
 The repacked copy is anonymous memory the size of the weights; the mapped file's pages of
 those weights are then released (``madvise(MADV_DONTNEED)``: a read-only file mapping refaults
 them from the page cache if anything reads them again), so the weights are held once.
+
+``RowRepack``: the same layout in memory the caller owns (the RAM tier's rows, whose experts
+change as they come and go, runtime/tiered.py): an expert repacked into a row as it is read,
+and a graph's leaf over the rows marked as a repacked tensor.
 """
 
 from __future__ import annotations
@@ -155,6 +159,82 @@ class Repacked:
         for ctx in self._ctxs:
             self.base.ggml_free(ctx)
         self._buffers, self._ctxs = [], []
+
+
+class RowRepack:
+    """Experts of one weight shape (``[rows, cols]`` of ``ggml_type``) repacked into bytes the
+    caller owns, and read by ggml's repacked kernels from there.
+
+    ggml decides whether it repacks a shape: a probe tensor of that shape is allocated in a
+    CPU_REPACK buffer, whose ``init_tensor`` sets ``extra`` to the repack traits (chosen by type
+    and row count alone) or leaves it NULL (``of`` then answers None). The probe then lends its
+    buffer and traits to headers over the caller's memory: the buffer's ``set_tensor`` repacks
+    into ``tensor->data`` wherever that points, and the CPU backend computes a ``mul_mat_id``
+    with the repacked kernel when its weight's buffer is of that type (``extra`` the traits).
+    The repack interleaves 8 (or 4) rows block by block, so it cannot run in place: ``pack``
+    reads the plain bytes from one place (a read's bounce buffer, a staging row) and writes the
+    repacked ones to another. The size is unchanged (an 8-row block group is 8 blocks).
+    A stack of experts back to back is the experts' layouts back to back (ggml repacks groups
+    of rows in order, and a group never spans two experts when the row count is a multiple of
+    the group's), so a leaf ``[cols, rows, n]`` over repacked rows reads each expert right."""
+
+    _made: dict[tuple[int, int, int], RowRepack | None] = {}
+
+    def __init__(self, ggml_type: int, cols: int, rows: int, base, buffer: int, ctx: int, probe) -> None:
+        self.ggml_type, self.cols, self.rows = ggml_type, cols, rows
+        self._base, self._buffer, self._ctx, self._probe = base, buffer, ctx, probe
+        self.extra = probe.contents.extra
+        self.nbytes = base.ggml_nbytes(probe)
+
+    @classmethod
+    def of(cls, ggml_type: int, cols: int, rows: int) -> RowRepack | None:
+        """The repack of ``[rows, cols]`` weights of ``ggml_type``, or None where ggml does not
+        repack them (no CPU_REPACK buffer, a type or row count without a repacked kernel). One
+        per shape and loaded library: the probe is an expert's bytes."""
+        buft = repack_buffer_type()
+        key = (id(ggml._LIBS[0]) if ggml._LIBS else 0, ggml_type, cols, rows)
+        if key not in cls._made:
+            cls._made[key] = None if buft is None else cls._probe_for(buft, ggml_type, cols, rows)
+        return cls._made[key]
+
+    @classmethod
+    def _probe_for(cls, buft: int, ggml_type: int, cols: int, rows: int) -> RowRepack | None:
+        base = ggml._LIBS[0]
+        if cols % base.ggml_blck_size(ggml_type):
+            return None
+        ctx = base.ggml_init(_InitParams(2 * base.ggml_tensor_overhead(), None, True))
+        probe = base.ggml_new_tensor_2d(ctx, ggml_type, cols, rows)        # [cols, rows]
+        buf = base.ggml_backend_buft_alloc_buffer(buft, base.ggml_backend_buft_get_alloc_size(buft, probe))
+        if not buf:
+            base.ggml_free(ctx)
+            raise MemoryError("ggml could not allocate a repack buffer for one expert")
+        if base.ggml_backend_tensor_alloc(buf, probe, base.ggml_backend_buffer_get_base(buf)) != 0 \
+                or not probe.contents.extra:
+            base.ggml_backend_buffer_free(buf)
+            base.ggml_free(ctx)
+            return None
+        return cls(ggml_type, cols, rows, base, buf, ctx, probe)
+
+    def pack(self, dst: int, src: int) -> None:
+        """Repack the expert's plain bytes at ``src`` into ``dst`` (``nbytes`` each, not
+        overlapping). Thread-safe (a header of its own; ctypes releases the GIL meanwhile)."""
+        header = _Tensor.from_buffer_copy(self._probe.contents)   # the probe's type, shape, buffer, traits
+        header.data = dst
+        self._base.ggml_backend_tensor_set(ctypes.byref(header), src, 0, self.nbytes)
+
+    def mark(self, leaf) -> None:
+        """Make ``leaf`` (a graph's tensor ``[cols, rows, n]`` over repacked experts) read them
+        through the repacked kernels."""
+        t = leaf.contents
+        if t.type != self.ggml_type or t.ne[0] != self.cols or t.ne[1] != self.rows:
+            raise ValueError(f"a leaf of type {t.type} [{t.ne[0]}, {t.ne[1]}] over experts repacked as "
+                             f"type {self.ggml_type} [{self.cols}, {self.rows}]")
+        t.buffer, t.extra = self._buffer, self.extra
+
+    def __del__(self) -> None:
+        if ggml._LIBS and self._base is ggml._LIBS[0]:
+            self._base.ggml_backend_buffer_free(self._buffer)
+            self._base.ggml_free(self._ctx)
 
 
 def clean_file_maps() -> list[tuple[int, int]]:

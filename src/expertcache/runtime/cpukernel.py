@@ -39,6 +39,16 @@ class GgmlExperts:
         self._fusable: bool | None = None  # SiluMlpId fits the module (_silu_gate), once known
         # every step on ggml's threads: in decode torch is down to one (runtime/threads.py)
         self.threads = ggml_threads()
+        self.packed: dict = {}  # part -> ggmlrepack.RowRepack: the bytes it reads are repacked
+
+    def read_repacked(self, packed: dict) -> None:
+        """Read ``packed``'s parts (part -> ``ggmlrepack.RowRepack``) as ggml's repacked layout
+        from now on: every byte tensor this layer computes from holds them so (the RAM tier's
+        rows under the graph decode, runtime/ggmltier.py)."""
+        if packed and (self.first_bias is not None or self.down_bias is not None):
+            raise ValueError("expert biases are dequantized from the bytes in torch: they cannot be repacked")
+        self.packed = dict(packed)
+        self._graphs.clear()  # built over the other layout
 
     def forward(self, module: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor,
                 tensors: dict[str, torch.Tensor], used: int = 1) -> torch.Tensor:
@@ -127,7 +137,7 @@ class GgmlExperts:
     def _weights(self, parts: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> list[ggml.Weight]:
         """ggml's view of each part's bytes in ``tensors`` ([n, stride] uint8)."""
         return [ggml.Weight(self.part[p].fmt.ggml_type, *self.part[p].shape, tensors[p].shape[0],
-                            tensors[p].stride(0)) for p in parts]
+                            tensors[p].stride(0), self.packed.get(p)) for p in parts]
 
     def _bias(self, kind: Kind, ids: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """[N, rows] biases of the pairs' experts (tiny: dequantized with torch)."""

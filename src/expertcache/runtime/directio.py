@@ -113,9 +113,11 @@ class DirectFile:
             buf = self._local.buf = mmap.mmap(-1, size)  # anonymous: page-aligned
         return memoryview(buf)
 
-    def read_into(self, dst: np.ndarray, offset: int, what: str) -> ReadCounters:
+    def read_into(self, dst: np.ndarray, offset: int, what: str, put=None) -> ReadCounters:
         """Read ``dst.nbytes`` bytes at ``offset`` into ``dst`` (contiguous uint8). ``what`` names
-        the expert in errors (e.g. 'layer 3 expert 17 down.weight')."""
+        the expert in errors (e.g. 'layer 3 expert 17 down.weight'). ``put(src)``: writes ``dst``
+        from the read bytes at address ``src`` instead of a copy (ggml's repack into a RAM-tier
+        row: ``RowRepack.pack``), on this reader thread."""
         n = dst.nbytes
         start = offset - offset % ALIGN
         end = -(-(offset + n) // ALIGN) * ALIGN
@@ -129,7 +131,12 @@ class DirectFile:
         if got < offset - start + n:
             raise ExpertReadError(f"{self.path}: short read of {what}: {max(got - (offset - start), 0)} of "
                                   f"{n} bytes at offset {offset}; the file is truncated or changed")
-        np.copyto(dst, np.frombuffer(view, np.uint8, n, offset - start))
+        payload = np.frombuffer(view, np.uint8, n, offset - start)
+        if put is None:
+            np.copyto(dst, payload)
+        else:
+            put(payload.ctypes.data)
+        del payload  # the bounce buffer is exported while a view of it lives
         if not self.direct:
             os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
         return ReadCounters(1, n, end - start, time.perf_counter() - t0)
@@ -147,9 +154,10 @@ class ReadPool:
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="expertcache-read")
 
-    def submit(self, jobs: list[tuple[DirectFile, np.ndarray, int, str]]):
-        """Start ``(file, dst, offset, what)`` reads; returns their futures (``ReadCounters``)."""
-        return [self._pool.submit(f.read_into, dst, off, what) for f, dst, off, what in jobs]
+    def submit(self, jobs: list[tuple]):
+        """Start ``(file, dst, offset, what[, put])`` reads (``DirectFile.read_into``); returns
+        their futures (``ReadCounters``)."""
+        return [self._pool.submit(f.read_into, dst, off, what, *put) for f, dst, off, what, *put in jobs]
 
     def read(self, jobs: list[tuple[DirectFile, np.ndarray, int, str]]) -> ReadCounters:
         """Run the reads, wait for all of them; the sum of their counters, ``seconds`` the wall time."""

@@ -137,8 +137,12 @@ class _TierStepGraph(_StepGraph):
         self._rid.append((rid, addr))
         store = self.spec.store
         rows = max(store.rows, store.num_experts)  # a compact copy (one step's experts) may be wider than R
-        leaves = {p: g.leaf(t, (cols, n, rows), store.pool[p].data_ptr(), stride=store.stride[p])
-                  for t, n, cols, p in moe["tier"]}                                 # [cols, rows_p, R]
+        packers = {} if store.repack is None else store.repack[moe["index"]]
+        leaves = {}
+        for t, n, cols, p in moe["tier"]:
+            leaves[p] = g.leaf(t, (cols, n, rows), store.pool[p].data_ptr(), stride=store.stride[p])  # [cols, n, R]
+            if p in packers:  # rows in ggml's repacked layout: its repacked kernels read them
+                packers[p].mark(leaves[p])
         self._leaves.append(leaves)
         return self._silu_experts(list(leaves.values()), h, rid, w)
 
@@ -254,7 +258,8 @@ class Prefetch:
             f.check()
         for row, e in enumerate(missing):
             t0 = time.perf_counter()
-            self.batch[e] = (row, self.store.reader.submit(self.store._jobs(layer, e, self.staging, row)), t0)
+            jobs = self.store._jobs(layer, e, self.staging, row, plain=True)  # repacked when taken
+            self.batch[e] = (row, self.store.reader.submit(jobs), t0)
         self.read += len(missing)
 
     def take(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> ReadCounters | None:
@@ -268,7 +273,7 @@ class Prefetch:
         at, futures, t0 = self.batch.pop(expert)
         got = ReadPool.collect(futures, t0)
         for p, rng in self.store.layers[layer].items():
-            dst[p][row, :rng.nbytes] = self.staging[p][at, :rng.nbytes]
+            self.store.put(layer, p, dst[p][row], self.staging[p][at, :rng.nbytes])
         self.used += 1
         self.used_bytes += got.bytes
         return got
@@ -302,8 +307,9 @@ class TierGraphDecoder(GraphDecoder):
         super().__init__(model, cache, eager)
         width = max(moe["top_k"] for moe in (L["moe"] for L in self.spec.layers if "moe" in L))
         self.prefetch = self.spec.prefetch = cache.tier.ahead = Prefetch(cache.tier, width)
-        self.note = ("; experts from the RAM tier's rows: the graph runs in segments split after each "
-                     "router, the missing experts read from the file between them, the next layer's "
+        rows = _repack_rows(self.spec, cache, cache.config.cpu_repack)
+        self.note = (f"; experts from the RAM tier's rows ({rows}): the graph runs in segments split after "
+                     "each router, the missing experts read from the file between them, the next layer's "
                      "guessed experts read ahead")
 
     def _refusal(self, args: tuple, kwargs: dict) -> str | None:
@@ -311,6 +317,30 @@ class TierGraphDecoder(GraphDecoder):
         if self.enabled and isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > _CHUNK:
             return f"a prompt over {_CHUNK} tokens with the RAM tier (the tier steps a layer once a forward)"
         return super()._refusal(args, kwargs)
+
+
+def _repack_rows(spec: _TierSpec, cache, choice: str) -> str:
+    """The tier's rows in ggml's repacked layout for the parts ggml repacks (llama.cpp's default
+    for its weights, quant/ggmlrepack.py: +40% on the experts' matmuls), each expert repacked as
+    it is read; the per-layer kernels then read them so too. The same bytes: no memory more, so
+    'auto' always repacks. Returns what the rows hold (for ``cpu_graph_reason``)."""
+    from ..quant.ggmlrepack import RowRepack
+
+    if choice == "off":
+        return "read in place: cpu_repack='off'"
+    store = cache.tier
+    packers: list[dict] = [{} for _ in range(store.num_layers)]
+    for moe in (L["moe"] for L in spec.layers if "moe" in L):
+        for ggml_type, rows, cols, part in moe["tier"]:
+            packer = RowRepack.of(ggml_type, cols, rows)
+            if packer is not None:
+                packers[moe["index"]][part] = packer
+    if not any(packers):
+        return "read in place: no part of a type and shape ggml repacks on this CPU"
+    store.repack_rows(packers)
+    for index, packed in enumerate(packers):
+        cache.kernels[index].read_repacked(packed)
+    return f"{', '.join(store.repacked_parts())} repacked for ggml's CPU kernels as they are read"
 
 
 def attach(model, cache, choice: str = "auto") -> tuple[str, str]:

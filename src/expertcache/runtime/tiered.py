@@ -15,12 +15,18 @@ plan loads or bypasses (a slot miss is served from RAM, else from the file).
 Shapes: ``TieredStore.pool[part]`` is ``[R, stride]`` uint8, R rows of the RAM tier, stride
 the largest of that part's per-expert bytes over the layers (llama.cpp's Q4_K_M mixes types
 by layer); ``TieredExperts.tensors[part]`` is the ``[R, nbytes]`` view one layer reads.
+
+Under the CPU engine's graph decode (runtime/ggmltier.py) the rows of the parts ggml repacks
+hold ggml's repacked layout (``repack_rows``): each read is repacked from its bounce buffer
+into the row on the reader thread, and every reader of the rows (the graph, the per-layer
+kernels, compact copies, read-ahead) reads them as repacked.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +114,26 @@ class TieredStore:
         self.reader = ReadPool(threads)
         self.before_write = None  # set by the engine with CUDA: waits for copies out of the rows
         self.ahead = None  # the graph decode's read-ahead (runtime/ggmltier.py Prefetch), counted here
+        # per layer: part -> ggmlrepack.RowRepack for the parts whose rows hold ggml's repacked
+        # layout (the graph decode's choice, ``repack_rows``); None: every row the file's bytes
+        self.repack: list[dict] | None = None
         self.reset_stats()
+
+    def repack_rows(self, packers: list[dict]) -> None:
+        """From now on the rows of ``packers[layer]``'s parts hold ggml's repacked layout (reads
+        are repacked into them); rows filled before are repacked now. CPU only: a copy from a
+        row to a device slot must see the file's bytes."""
+        if self.before_write is not None or len(packers) != self.num_layers:
+            raise ValueError("the RAM tier's rows are repacked for the CPU engine only, one packer map a layer")
+        for key, slot in self.table.resident().items():
+            for p, packer in packers[key // self.num_experts].items():
+                plain = self._np[p][slot, :packer.nbytes].copy()
+                packer.pack(self._np[p][slot].ctypes.data, plain.ctypes.data)
+        self.repack = packers if any(packers) else None
+
+    def repacked_parts(self) -> list[str]:
+        """The parts whose rows hold ggml's repacked layout in some layer."""
+        return sorted({p for layer in self.repack or () for p in layer})
 
     # -- one step ---------------------------------------------------------------------
     def fetch(self, layer: int, experts: list[int], phase: int) -> tuple[dict[str, np.ndarray] | None, dict[int, int]]:
@@ -183,13 +208,26 @@ class TieredStore:
                 return []
         return self._jobs(layer, expert, dst, row)
 
-    def _jobs(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> list:
+    def _jobs(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int, plain: bool = False) -> list:
+        """The reads of ``expert`` into ``dst[part][row]``: repacked there where the tier's rows
+        are (``repack``), unless ``plain`` (the read-ahead's staging rows: repacked when taken)."""
+        packers = {} if self.repack is None or plain else self.repack[layer]
         out = []
         for p, rng in self.layers[layer].items():
             path, offset = rng.where(expert)
-            out.append((self.files[path], dst[p][row, :rng.nbytes], offset,
-                        f"layer {layer} expert {expert} ({p}, {rng.nbytes} bytes)"))
+            view = dst[p][row, :rng.nbytes]
+            put = () if p not in packers else (partial(packers[p].pack, view.ctypes.data),)
+            out.append((self.files[path], view, offset, f"layer {layer} expert {expert} ({p}, {rng.nbytes} bytes)",
+                        *put))
         return out
+
+    def put(self, layer: int, part: str, dst: np.ndarray, src: np.ndarray) -> None:
+        """An expert's file bytes ``src`` into the row ``dst`` (repacked where the tier's rows are)."""
+        packer = None if self.repack is None else self.repack[layer].get(part)
+        if packer is None:
+            dst[:src.nbytes] = src
+        else:
+            packer.pack(dst.ctypes.data, src.ctypes.data)
 
     # -- counters -----------------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -205,7 +243,7 @@ class TieredStore:
         table = self.table.stats()
         out = {"rows": self.rows, "bytes": self.rows * self.row_bytes, "policy": self.table.eviction_name,
                "reads": "O_DIRECT" if self.direct else "buffered+DONTNEED", "read_reason": self.read_reason,
-               "reader_threads": self.reader.threads}
+               "reader_threads": self.reader.threads, "repacked": self.repacked_parts()}
         for phase, name in ((PREFILL, "prefill"), (DECODE, "decode")):
             sums, c = table.sums(phase), self.counts[phase]
             tok = self.tokens[phase]
@@ -226,6 +264,7 @@ class TieredStore:
                 f"{rate:.1%}, {d['file_reads']} experts read from the file, "
                 f"{format_size(d['file_bytes_per_token'])} per token, {d['read_seconds']:.2f} s reading, "
                 f"{d['wait_seconds']:.2f} s of it waited for ({s['reads']}: {s['read_reason']})"
+                + (f"; rows of {', '.join(s['repacked'])} repacked for ggml's CPU kernels" if s["repacked"] else "")
                 + ("" if self.ahead is None else
                    f"; read ahead {s['prefetch']['read_ahead']} experts, {s['prefetch']['used']} used, "
                    f"{format_size(s['prefetch']['wasted_bytes'])} read for nothing"))
