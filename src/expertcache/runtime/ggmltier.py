@@ -28,9 +28,16 @@ layer l+1's step loads one of them, its bytes are copied from the staging row in
 evictions do not change. ``stats()['tier']['prefetch']`` counts experts read ahead, those a
 step used and the bytes read for nothing.
 
+Repacked rows (``cpu_repack='auto'``): the rows of the parts ggml repacks hold ggml's repacked
+layout, each expert repacked as it is read (``TieredStore.repack_rows``, quant/ggmlrepack.py
+``RowRepack``), and the leaves over them are marked repacked, so ``mul_mat_id`` runs the
+repacked kernel the resident graph runs; the per-layer kernels read the same rows repacked
+(``GgmlExperts.read_repacked``) when a forward goes eager. Only here: without the graph the
+tier's rows stay the file's bytes.
+
 What the graph computes is what the resident graph computes (the same ``mul_mat_id`` on the
-same bytes, one (token, expert) pair at a time), bit for bit where the resident graph reads
-its experts unrepacked (``cpu_repack='off'``; the tier's rows are never repacked).
+same bytes, one (token, expert) pair at a time): bit for bit against the resident graph with
+the same ``cpu_repack`` (tests/test_ggml_tier.py).
 """
 
 from __future__ import annotations
@@ -72,8 +79,8 @@ def _declare() -> None:
 
 class _TierSpec(_Spec):
     """The model as ``_Spec`` reads it, its experts in the RAM tier: ``moe['tier']`` lists each
-    part's (ggml type, rows, cols, part name); ``moe['experts']`` is empty, so nothing of the
-    tier is repacked (its rows change as experts come and go)."""
+    part's (ggml type, rows, cols, part name); ``moe['experts']`` is empty, so the load's repack
+    copies none of them (the tier's rows are repacked as they are read: ``_repack_rows``)."""
 
     tiered = True
 
