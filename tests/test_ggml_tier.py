@@ -78,6 +78,9 @@ def test_read_ahead_changes_no_count_and_no_logit(model_file):
             assert p["used"] == p["guessed_right"] > 0
             assert p["used"] + p["wasted"] + p["pending"] == p["read_ahead"]
         runs.append((out, {k: d[k] for k in ("accesses", "ram_hits", "file_reads", "file_bytes")}))
+        if not ahead:  # decode: the pairs of experts read now ran after the reads, the others while
+            late = sum(graph.late_pairs for graph in model._expertcache_graph.graphs.values())
+            assert late == d["file_reads"] > 0 and d["wait_seconds"] <= d["read_seconds"]
     (a, ca), (b, cb) = runs
     assert ca == cb
     assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))

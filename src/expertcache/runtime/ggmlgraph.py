@@ -447,6 +447,10 @@ class _StepGraph:
     def _silu_experts(self, weights: list, h, ids, w):
         """sum over ranks of w * down(silu(gate) * up) [H, T]: ``weights`` gate, up, down or
         gate_up, down stacked [cols, rows, n]; ``ids`` [K, T] the rows of the stacks; ``w`` [1, K, T]."""
+        return self._sum_ranks(self.g.mul(self._silu_pairs(weights, h, ids), w))
+
+    def _silu_pairs(self, weights: list, h, ids):
+        """Each pair's down(silu(gate) * up) [H, K, T], unweighted (``_silu_experts``)."""
         g, T, H = self.g, self.tokens, self.spec.hidden
         K = gg.ne(ids)[0]
         hx = g.reshape_3d(h, H, 1, T)
@@ -458,8 +462,7 @@ class _StepGraph:
             gate = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), 0)
             up = g.view_3d(gu, half, K, T, gg.nb(gu, 1), gg.nb(gu, 2), half * 4)
         par = g.swiglu_split(gate, up)                                            # silu(gate) * up
-        ex = g.mul(g.mul_mat_id(weights[-1], par, ids), w)                        # [H, K, T]
-        return self._sum_ranks(ex)
+        return g.mul_mat_id(weights[-1], par, ids)                                # [H, K, T]
 
     def _oai_experts(self, moe: dict, h, sel, w):
         """GPT-OSS's experts: biases added per pair's expert (``add_id``), the clamped SwiGLU."""

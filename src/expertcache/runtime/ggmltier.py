@@ -16,6 +16,13 @@ into a graph of its own, all sharing the allocation the whole graph got):
     ...
     segment L: the last layer's experts, the final norm, the lm_head
 
+A decode step's experts take two more segments around the reads (``tiered._overlapped``'s
+way): A computes every pair while the step's reads run, the pairs of experts being read
+pointed at a row in RAM; B computes one pair and ``set_rows`` it into its place, run once per
+expert read once it is in its row; the weighted sum follows in the resident graph's order.
+B runs more than once over one allocation, so the MoE input it reads (``h``) is marked an
+output: ggml's allocator would otherwise give its memory to B's later nodes.
+
 The tier's step is the eager path's (``TieredStore.start`` / ``finish``: the same table, the
 same order of steps), so its counters equal ``sim``'s replay as before. A step wider than the
 tier (a prompt's bypasses) points the layer's leaves at the step's compact copy instead.
@@ -51,7 +58,7 @@ import torch
 from ..quant import ggml
 from ..quant import ggmlgraph as gg
 from ..quant.ggml import _InitParams, _Tensor
-from ..quant.ggmlgraph import GGML_TYPE_F32, GGML_TYPE_I32
+from ..quant.ggmlgraph import GGML_TYPE_F32, GGML_TYPE_I32, GGML_TYPE_I64
 from ..stats import DECODE, PREFILL
 from .directio import ReadCounters, ReadPool
 from .ggmlgraph import _CHUNK, GraphDecoder, Unsupported, _Spec, _StepGraph
@@ -114,13 +121,16 @@ class _TierStepGraph(_StepGraph):
         self._rid: list[tuple] = []           # per MoE layer: (rid tensor, its address)
         self._leaves: list[dict] = []         # per MoE layer: part -> weight leaf over the pool
         self._guesses: list = []              # per MoE layer: the next layer's guessed top-k, or None
+        self._one: list[tuple] = []           # decode, per MoE layer: (row, rank) inputs of the one-pair part
         super().__init__(spec, kv, tokens, n_threads, repacked, keep)
         T = tokens
         self._rid_views = [gg.int32_array(addr, (T, gg.ne(t)[0])) for t, addr in self._rid]        # [T, K]
+        self._one_views = [(gg.int32_array(row, (1,)), gg.int64_array(rank, (1,))) for row, rank in self._one]
         self._guess_views = [None if t is None else gg.int32_array(gg.view_src(t), (T, gg.ne(gg.view_src(t))[0]))
                              [:, :gg.ne(t)[0]] for t in self._guesses]                               # [T, K']
         self._segments(n_threads)
         self._held = None  # a compact copy the next segment reads (a step wider than the tier)
+        self.late_pairs = 0  # decode pairs computed after their expert was read (segment B runs)
 
     # -- build ---------------------------------------------------------------------------
     def _moe_experts(self, moe: dict, h, sel, w):
@@ -151,7 +161,24 @@ class _TierStepGraph(_StepGraph):
             if p in packers:  # rows in ggml's repacked layout: its repacked kernels read them
                 packers[p].mark(leaves[p])
         self._leaves.append(leaves)
-        return self._silu_experts(list(leaves.values()), h, rid, w)
+        if T > 1:
+            return self._silu_experts(list(leaves.values()), h, rid, w)
+        # decode: the pairs of experts in RAM while the reads run (segment A), then each pair read
+        # now alone (segment B, once a pair), its output put in the pair's place; then the weighted
+        # sum in the resident graph's order, so the logits do not change
+        weights = list(leaves.values())
+        g._base.ggml_set_output(h)  # B runs once a pair: its own nodes must not reuse h's memory
+        ex = self._silu_pairs(weights, h, rid)                                    # [H, K, 1]
+        g.expand(ex)
+        self._splits.append(g._base.ggml_graph_n_nodes(g.graph))                  # A ends
+        row, row_addr = g.input(GGML_TYPE_I32, (1, 1), 4)                         # [1, 1] the pair's row
+        rank, rank_addr = g.input(GGML_TYPE_I64, (1,), 8)                         # [1] its rank
+        self._one.append((row_addr, rank_addr))
+        one = g.reshape_2d(self._silu_pairs(weights, h, row), H, 1)               # [H, 1]
+        ex = g.set_rows(g.reshape_2d(ex, H, K), one, rank)                        # [H, K]: a view of ex
+        g.expand(ex)
+        self._splits.append(g._base.ggml_graph_n_nodes(g.graph))                  # B ends
+        return self._sum_ranks(g.mul(g.reshape_3d(ex, H, K, 1), w))
 
     def _segments(self, n_threads: int) -> None:
         """Each span of nodes between two routers as a graph of its own, planned for the same
@@ -179,34 +206,78 @@ class _TierStepGraph(_StepGraph):
         store.tokens[phase] += T                 # what the eager path counts at layer 0
         if self.spec.prefetch is not None:
             self.spec.prefetch.drain()           # guesses of the last forward are spent
-        run = self.g._compute
-        for i, (seg, plan) in enumerate(self._seg_refs):
-            status = run(seg, plan)
-            if status != 0:
-                raise RuntimeError(f"ggml_graph_compute failed with status {status} (segment {i})")
-            if i < len(self._moe_specs):
+        self._run(0)
+        for i in range(len(self._moe_specs)):
+            if T == 1:
+                self._overlapped(i, phase, 1 + 3 * i)   # segments A, B; then the rest of the layer
+                self._run(3 + 3 * i)
+            else:
                 self._step(i, phase)
+                self._run(1 + i)
         self._held = None
 
-    def _step(self, i: int, phase: int) -> None:
-        """MoE layer i's routing is known: its experts into rows of the tier (read where
-        missing), its row ids into ``rid``; the next layer's guessed experts read ahead."""
+    def _run(self, i: int) -> None:
+        seg, plan = self._seg_refs[i]
+        status = self.g._compute(seg, plan)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status} (segment {i})")
+
+    def _start(self, i: int, phase: int):
+        """MoE layer i's routing is known: its experts into rows of the tier, reads of the missing
+        ones started; the next layer's guessed experts read ahead. (ids [T, K], the step)."""
         store, prefetch = self.spec.store, self.spec.prefetch
-        layer = self._moe_specs[i]["index"]
         ids = self._ids_views[i]                                                    # [T, K] expert ids
         experts = list(dict.fromkeys(ids.reshape(-1).tolist()))  # rank order, as the eager step asks
-        pending = store.start(layer, experts, phase, None if prefetch is None else prefetch.take)
+        pending = store.start(self._moe_specs[i]["index"], experts, phase,
+                              None if prefetch is None else prefetch.take)
         guess = self._guess_views[i]
         if prefetch is not None and guess is not None:  # queued behind this step's own reads
             prefetch.issue(self._moe_specs[i + 1]["index"], guess.reshape(-1).tolist())
-        store.finish(pending)
-        lut = np.zeros(store.num_experts, np.int32)
+        return ids, pending
+
+    def _point(self, i: int, ids: np.ndarray, pending, stand_in: int | None = None) -> None:
+        """Fill ``rid`` [T, K] with the experts' rows (``stand_in`` for those being read) and point
+        the leaves at the rows they are in (the pool, or a compact copy)."""
+        lut = np.zeros(self.spec.store.num_experts, np.int32)
         lut[list(pending.rows)] = list(pending.rows.values())
+        if stand_in is not None:
+            lut[list(pending.reading)] = stand_in
         self._rid_views[i][:] = lut[ids]                                            # [T, K] rows
-        src = store._np if pending.compact is None else pending.compact
+        src = self.spec.store._np if pending.compact is None else pending.compact
         for p, leaf in self._leaves[i].items():
             leaf.contents.data = src[p].ctypes.data
         self._held = pending.compact  # alive until the segment reading it ran
+
+    def _step(self, i: int, phase: int) -> None:
+        """A prompt's step: wait for the reads, then the layer's experts read every row."""
+        ids, pending = self._start(i, phase)
+        self.spec.store.finish(pending)
+        self._point(i, ids, pending)
+
+    def _overlapped(self, i: int, phase: int, seg: int) -> None:
+        """A decode step (``tiered._overlapped``'s way, in the graph): segment A computes every
+        pair while the reads run, the pairs of experts being read pointed at a row in RAM; once
+        read, segment B computes each of those pairs alone into its place. ggml computes each
+        (token, expert) pair on its own, so every pair's output is the one-pass output bit for bit."""
+        store = self.spec.store
+        ids, pending = self._start(i, phase)
+        ranks = [k for k, e in enumerate(ids[0].tolist()) if e in pending.reading]
+        hits = [pending.rows[e] for e in ids[0].tolist() if e not in pending.reading]
+        if pending.compact is not None or not ranks:  # nothing to overlap (or a compact copy: read first)
+            store.finish(pending)
+            self._point(i, ids, pending)
+            self._run(seg)
+            return
+        if hits:  # the RAM hits while the reads run (their rows are not written by them)
+            self._point(i, ids, pending, stand_in=hits[0])
+            self._run(seg)
+        store.finish(pending)
+        self._point(i, ids, pending)
+        row, rank = self._one_views[i]
+        for k in ranks:
+            row[0], rank[0] = self._rid_views[i][0, k], k
+            self._run(seg + 1)
+        self.late_pairs += len(ranks)
 
     def __del__(self) -> None:
         if ggml._LIBS and getattr(self, "_ctx", None):

@@ -157,9 +157,13 @@ class TieredStore:
         base = layer * self.num_experts
         rows = {key - base: slot for key, slot in plan.hits.items()}
         rows.update((key - base, slot) for key, slot in plan.loads.items())
-        jobs = [job for key, slot in plan.loads.items()
-                for job in self._fill(layer, key - base, self._np, slot, phase, ahead)]
-        pending = Pending(rows, {key - base for key in plan.loads}, phase)
+        jobs, reading = [], set()
+        for key, slot in plan.loads.items():
+            got = self._fill(layer, key - base, self._np, slot, phase, ahead)
+            if got:  # not read ahead: being read now
+                jobs += got
+                reading.add(key - base)
+        pending = Pending(rows, reading, phase)
         if plan.bypasses:  # wider than the tier: every expert of the step into one compact copy
             width = len(rows) + len(plan.bypasses)
             compact = {p: np.empty((width, s), np.uint8) for p, s in self.stride.items()}
