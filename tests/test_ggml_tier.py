@@ -126,10 +126,20 @@ def q4_file(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("ggml_tier_q4") / "q4.gguf", "qwen3_moe", "Q4_0", layers=3, experts=16)
 
 
-def _repacking():
-    """Skip where this CPU's ggml repacks no Q4_0 expert (the layouts are per instruction set)."""
+@pytest.fixture
+def repack_rows(monkeypatch):
+    """Rows repacked (off by default: ggmltier.REPACK_ROWS says why). Skip where this CPU's ggml
+    repacks no Q4_0 expert (the layouts are per instruction set)."""
+    from expertcache.runtime import ggmltier
     if ggmlrepack.RowRepack.of(2, 32, 8) is None:   # Q4_0, 8 rows of one block
         pytest.skip("ggml repacks no Q4_0 weight on this CPU (no CPU_REPACK buffer, or no AVX2 / NEON layout)")
+    monkeypatch.setattr(ggmltier, "REPACK_ROWS", True)
+
+
+def test_rows_are_not_repacked_by_default(q4_file):
+    model = _tiered(q4_file)
+    assert "repacking the tier's rows is off" in model.expertcache.summary()["cpu_graph_reason"]
+    assert model.expertcache.stats().pool["tier"]["repacked"] == []
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +153,12 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_repacked_rows_equal_the_resident_repacked_graph(q4_file, q4_resident):
+def test_repacked_rows_equal_the_resident_repacked_graph(q4_file, q4_resident, repack_rows):
     """The tier's rows repacked as they are read: the tier's graph runs the resident graph's
     repacked kernel on the same bytes, so its logits equal the resident repacked run's bit for
     bit; against the tier's rows read in place they differ by float rounding only (the repacked
     kernel sums in another order). cpu_repack='off' keeps the rows the file's bytes: the
     resident graph's in-place run, bit for bit."""
-    _repacking()
     model = _tiered(q4_file)
     summary = model.expertcache.summary()
     assert "experts from the RAM tier's rows (down.weight, gate.weight, up.weight repacked for ggml's CPU " \
@@ -173,11 +182,10 @@ def test_repacked_rows_equal_the_resident_repacked_graph(q4_file, q4_resident):
     assert all(torch.equal(a, b) for a, b in zip(off.logits, q4_resident["off"].logits))
 
 
-def test_repacked_rows_read_ahead_and_sim_equals_live(q4_file, q4_resident):
+def test_repacked_rows_read_ahead_and_sim_equals_live(q4_file, q4_resident, repack_rows):
     """Guesses read ahead into staging rows (the file's bytes) are repacked when a step takes them:
     every guess read, the logits equal the run without read-ahead; the tier's counts equal sim's
     replay of the run's routing (recorded on the per-layer path, which reads the repacked rows too)."""
-    _repacking()
     runs = []
     for ahead in (True, False):
         model = _tiered(q4_file)
@@ -201,12 +209,11 @@ def test_repacked_rows_read_ahead_and_sim_equals_live(q4_file, q4_resident):
             == (replayed["ram_accesses"], replayed["ram_hits"], replayed["file_reads"], replayed["tokens"]), phase
 
 
-def test_the_per_layer_path_reads_repacked_rows(q4_file, q4_resident):
+def test_the_per_layer_path_reads_repacked_rows(q4_file, q4_resident, repack_rows):
     """Forwards the graph does not take (here: all of them, the decoder disabled; a prompt over one
     chunk) run the per-layer kernels on the same rows, through ggml's repacked kernels: the tokens
     of the per-layer tier without the graph (rows the file's bytes, cpu_graph='off'), logits within
     float rounding of it (the plain kernel on repacked bytes would compute garbage)."""
-    _repacking()
     model = _tiered(q4_file)
     kernels = model.expertcache.kernels
     assert all(sorted(k.packed) == PARTS for k in kernels)
@@ -228,10 +235,9 @@ def test_the_per_layer_path_reads_repacked_rows(q4_file, q4_resident):
     assert model._expertcache_graph.steps == 2
 
 
-def test_repacked_rows_in_a_step_wider_than_the_tier(q4_file, q4_resident):
+def test_repacked_rows_in_a_step_wider_than_the_tier(q4_file, q4_resident, repack_rows):
     """3 rows: the prompt's steps bypass the tier into a compact copy, whose rows are copied from
     repacked rows or repacked as read: the resident repacked run's logits, bit for bit."""
-    _repacking()
     model = _tiered(q4_file, 3 / 48)
     got = model.generate(PROMPT, **KW)
     assert model.expertcache.tier.table.stats().sums("prefill")["bypasses"] > 0
