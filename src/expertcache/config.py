@@ -80,8 +80,7 @@ class CacheConfig:
     cpu_kernel: str = "auto"            # quantized experts on the CPU: CPU_KERNELS
     cpu_graph: str = "auto"             # CPU_GRAPHS: a GGUF decode step as one ggml graph where supported
     cpu_repack: str = "auto"            # CPU_REPACKS: with the graph, quantized weights repacked at load while
-    #                                     they take under half the free RAM (else read in place);
-    #                                     the RAM tier's rows repacked as read ('off': neither)
+    #                                     they take under half the free RAM (else read in place)
     hardware: str | None = None         # cost-model rates for miss='auto': a preset or a probe profile
     #                                     (None: measured on this machine at load)
     planner: str = "auto"               # PLANNERS: who plans decode steps
