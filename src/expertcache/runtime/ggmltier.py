@@ -70,6 +70,10 @@ _TIER_FAMILIES = {"qwen3_moe", "qwen2_moe"}  # the experts built here: SiLU(gate
 # 1-30 tokens with repacked rows (never with the file's bytes), once "munmap_chunk(): invalid
 # pointer" at a 10% budget: heap memory is written out of bounds somewhere on that path, though
 # every row read back equals the repack of the file's bytes. The greedy tests pass with it on.
+# One overflow is known: segment A points every pair being read at one stand-in row, so a token
+# names a row more than once, and ggml's repacked mul_mat_id sizes its row table [n_as][tokens]
+# (repack.cpp; the plain kernel's is [n_as][K * tokens]): a repeated row writes past the work
+# buffer. NaN also came with segment A off, so that is not the only fault.
 REPACK_ROWS = False
 
 _declared_for = None
