@@ -73,7 +73,7 @@ _TIER_FAMILIES = {"qwen3_moe", "qwen2_moe"}  # the experts built here: SiLU(gate
 # One overflow is known: segment A points every pair being read at one stand-in row, so a token
 # names a row more than once, and ggml's repacked mul_mat_id sizes its row table [n_as][tokens]
 # (repack.cpp; the plain kernel's is [n_as][K * tokens]): a repeated row writes past the work
-# buffer. NaN also came with segment A off, so that is not the only fault.
+# buffer, so repacked rows skip segment A. NaN also came with segment A off: not the only fault.
 REPACK_ROWS = False
 
 _declared_for = None
@@ -273,7 +273,9 @@ class _TierStepGraph(_StepGraph):
         ids, pending = self._start(i, phase)
         ranks = [k for k, e in enumerate(ids[0].tolist()) if e in pending.reading]
         hits = [pending.rows[e] for e in ids[0].tolist() if e not in pending.reading]
-        if pending.compact is not None or not ranks:  # nothing to overlap (or a compact copy: read first)
+        # nothing to overlap, a compact copy (read first), or repacked rows: the stand-in row would
+        # repeat within the token, past the repacked kernel's row table (REPACK_ROWS)
+        if pending.compact is not None or not ranks or store.repack is not None:
             store.finish(pending)
             self._point(i, ids, pending)
             self._run(seg)
