@@ -150,9 +150,13 @@ def write_gguf(path: str | Path, family: str = "qwen3_moe", expert_type: str = "
         if hf_name.endswith("e_score_correction_bias"):  # the converter renames it e_score_correction.bias
             writer.add_tensor(f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias", data)
             continue
-        if hf_name.endswith("kv_b_proj.weight") and split_kv_b:
+        if hf_name.endswith("kv_b_proj.weight") and split_kv_b:  # [heads, rows, cols] each, quantized too
             for name, part in mla_split(data, cfg).items():
-                writer.add_tensor(f"blk.{hf_name.split('.')[2]}.{name}.weight", part)
+                tensor_name = f"blk.{hf_name.split('.')[2]}.{name}.weight"
+                if dense_type == "F32":
+                    writer.add_tensor(tensor_name, part)
+                else:
+                    _add_dense_tensor(writer, tensor_name, part, dense_type, dense_rng)
             continue
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = names.get_name(base)
@@ -323,13 +327,14 @@ def _tokenizer_metadata(writer, arch: str, tokenizer: bool) -> None:
 
 
 def _add_dense_tensor(writer, name: str, data: np.ndarray, qtype: str, rng) -> None:
-    """A 2-D [rows, cols] weight in ``qtype``, as ``_add_expert_tensor`` writes experts."""
+    """A [..., rows, cols] weight in ``qtype``, as ``_add_expert_tensor`` writes experts."""
     kind = gguf.GGMLQuantizationType[qtype]
     if qtype in _QUANTIZABLE:
         writer.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), kind), raw_dtype=kind)
     else:
-        rows, cols = data.shape
-        writer.add_tensor(name, random_blocks(qtype, rows, cols, rng).reshape(rows, -1), raw_dtype=kind)
+        rows, cols = int(np.prod(data.shape[:-1])), data.shape[-1]
+        blocks = random_blocks(qtype, rows, cols, rng)
+        writer.add_tensor(name, blocks.reshape(*data.shape[:-1], -1), raw_dtype=kind)
 
 
 def _add_expert_tensor(writer, name: str, data: np.ndarray, qtype: str, rng) -> None:

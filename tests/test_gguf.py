@@ -423,6 +423,27 @@ def test_deepseek_before_the_kv_b_split_loads_the_same(tmp_path):
         assert torch.equal(a(PROMPT).logits, b(PROMPT).logits)
 
 
+@pytest.mark.parametrize("dense", ["Q8_0", "Q4_0"])
+def test_deepseek_quantized_k_b_and_v_b_rebuild_kv_b(tmp_path, dense):
+    """Quantized k_b / v_b (3-D: [heads, rows, cols], blocks along each row) are dequantized and
+    put back as the converter split them: kv_b_proj equals the merge of gguf-py's own
+    dequantization of the two, exactly (the fixture's rows are 32 and 64 wide: 32-blocks only)."""
+    from gguf_models import tiny_config, vocab_size
+
+    path = write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0", dense_type=dense)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="torch")
+    cfg = tiny_config("deepseek_v3", vocab_size("deepseek_v3"))
+    for layer in range(cfg.num_hidden_layers):
+        k_b, v_b = (gguf.quants.dequantize(tensors[f"blk.{layer}.attn_{x}_b.weight"].data,
+                                           tensors[f"blk.{layer}.attn_{x}_b.weight"].tensor_type) for x in "kv")
+        assert tensors[f"blk.{layer}.attn_k_b.weight"].tensor_type == gguf.GGMLQuantizationType[dense]
+        # [heads, kv_lora, nope] and [heads, v, kv_lora] -> [heads * (nope + v), kv_lora]
+        want = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, cfg.kv_lora_rank)
+        got = model.model.layers[layer].self_attn.kv_b_proj.weight
+        assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)))
+
+
 def test_deepseek_router_stays_float32(tmp_path):
     """transformers keeps DeepSeek's router and its selection bias in float32 (from_pretrained's
     ``_keep_in_fp32_modules_strict``); a bfloat16 load keeps them so too."""
