@@ -478,6 +478,20 @@ def test_transformers_still_maps_no_deepseek2_gguf(tmp_path):
         load_gguf_checkpoint(str(write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0")), return_tensors=False)
 
 
+def test_deepseek2_keys_llama_cpp_leaves_out_read_as_it_does(tmp_path):
+    """Absent group counts (llama.cpp: no groups; Kimi-K2 writes one group), scale (no scaling) and
+    norm (not renormalised), and no q_lora_rank (a plain attn_q, DeepSeek-V2-Lite's layout)."""
+    from expertcache.loaders.gguf import _hf_config
+
+    header = read_header(write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0"))
+    for key in ("expert_group_count", "expert_group_used_count", "expert_weights_scale", "expert_weights_norm",
+                "attention.q_lora_rank"):
+        header.metadata.pop(f"deepseek2.{key}")
+    cfg = _hf_config(header)
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob) == (1, 1, 1.0, False)
+    assert cfg.q_lora_rank is None
+
+
 @pytest.mark.parametrize("change,match", [
     ({"expert_gating_func": 1}, "gating softmax: the softmax routing of DeepSeek-V2/V2.5 is not read"),
     ({"expert_gating_func": None}, "gating none \\(llama.cpp reads softmax\\)"),
