@@ -444,6 +444,19 @@ def test_deepseek_quantized_k_b_and_v_b_rebuild_kv_b(tmp_path, dense):
         assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)))
 
 
+def test_deepseek_with_half_of_kv_b_is_refused(tmp_path):
+    from expertcache.loaders.common import empty_model
+    from expertcache.loaders.gguf import _hf_config, _load_dense
+    from expertcache.loaders.gguf_dense import dense_choice
+
+    header = read_header(write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0"))
+    del header.tensors["blk.2.attn_v_b.weight"]
+    config = _hf_config(header)
+    with pytest.raises(ValueError, match=r"blk.2.attn_k_b.weight without its other half \(attn_v_b\)"):
+        _load_dense(empty_model(config, torch.float32), header, config, torch.float32,
+                    dense_choice("torch", torch.device("cpu")))
+
+
 def test_deepseek_router_stays_float32(tmp_path):
     """transformers keeps DeepSeek's router and its selection bias in float32 (from_pretrained's
     ``_keep_in_fp32_modules_strict``); a bfloat16 load keeps them so too."""

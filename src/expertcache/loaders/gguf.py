@@ -324,8 +324,12 @@ def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype, dense) 
         if _EXPERT.match(name) or name in stored:
             continue
         weights = _dequantized(ref).numpy()
-        if _MLA_SPLIT.match(name):  # rebuilt into kv_b_proj below
-            mla[name] = weights
+        split = _MLA_SPLIT.match(name)
+        if split:  # kv_b_proj rebuilt once both halves are read (each half dropped then)
+            mla.setdefault(split[1], {})[split[2]] = weights
+            if len(mla[split[1]]) == 2:
+                halves = mla.pop(split[1])
+                state[f"model.layers.{split[1]}.self_attn.kv_b_proj.weight"] = _mla_kv_b(**halves).to(dtype)
             continue
         result = processor.process(weights=weights, name=name, tensor_key_mapping=names,
                                    parsed_parameters={"tensors": {}})
@@ -333,7 +337,10 @@ def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype, dense) 
             hf_name = names[result.name]
             kept = torch.float32 if any(part in hf_name for part in fp32) else dtype
             state[hf_name] = torch.from_numpy(np.ascontiguousarray(result.weights)).to(kept)
-    state.update({hf: w.to(dtype) for hf, w in _mla_kv_b(mla).items()})
+    if mla:
+        block, (half,) = next(iter(mla.items()))
+        raise ValueError(f"{header.paths[0].name}: blk.{block}.attn_{half}_b.weight without its other half "
+                         f"(attn_{'v' if half == 'k' else 'k'}_b): the file's latent attention is incomplete")
     expert_params = {f"{n}.{p}" for n, m in model.named_modules() for p, _ in m.named_parameters(recurse=False)
                      if ".experts" in n or n.endswith("experts")}
     missing = set(model.load_state_dict(state, strict=False, assign=True).missing_keys) - expert_params
@@ -349,26 +356,16 @@ def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype, dense) 
                          "the file does not match transformers' layout for this architecture")
 
 
-def _mla_kv_b(split: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """transformers' ``kv_b_proj.weight`` of each layer from llama.cpp's ``attn_k_b`` / ``attn_v_b``.
+def _mla_kv_b(k: np.ndarray, v: np.ndarray) -> torch.Tensor:
+    """transformers' ``kv_b_proj.weight`` of a layer from llama.cpp's ``attn_k_b`` / ``attn_v_b``.
 
     llama.cpp's converter splits kv_b_proj [heads * (nope + v), kv_lora] per head into its k
     rows, transposed (for MLA's absorbed q.k), and its v rows; this undoes exactly that.
-    k_b: [heads, kv_lora, nope], v_b: [heads, v, kv_lora] -> [heads * (nope + v), kv_lora].
+    k: [heads, kv_lora, nope], v: [heads, v, kv_lora] -> [heads * (nope + v), kv_lora].
     """
-    out = {}
-    for name in split:
-        m = _MLA_SPLIT.match(name)
-        if m[2] != "k":
-            continue
-        other = f"blk.{m[1]}.attn_v_b.weight"
-        if other not in split:
-            raise ValueError(f"{name} without {other}: the file's latent attention is incomplete")
-        k_b, v_b = split[name], split[other]
-        heads, kv_lora, _ = k_b.shape
-        kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)                  # [heads, nope + v, kv_lora]
-        out[f"model.layers.{m[1]}.self_attn.kv_b_proj.weight"] = torch.from_numpy(kv_b.reshape(-1, kv_lora))
-    return out
+    kv_lora = k.shape[1]
+    kv_b = np.concatenate([k.transpose(0, 2, 1), v], axis=1)                      # [heads, nope + v, kv_lora]
+    return torch.from_numpy(kv_b.reshape(-1, kv_lora))
 
 
 def _dequantized(ref: TensorRef) -> torch.Tensor:
