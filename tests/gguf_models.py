@@ -7,7 +7,11 @@ byte-level BPE tokenizer in the file's metadata (Mixtral: a sentencepiece one, a
 writes Mixtral's). Mixtral is GGUF architecture ``llama`` with its q and k rows permuted
 (``LlamaModel.permute`` in llama.cpp's converter, for ggml's interleaved RoPE); OLMoE is
 ``olmoe``, unpermuted, with as many kv heads as heads (llama.cpp's OLMoE reads k_norm as
-``[n_embd]``) and its norm epsilon written as 1e-5 (llama.cpp's converter sets that). The expert FF size (384) is not the
+``[n_embd]``) and its norm epsilon written as 1e-5 (llama.cpp's converter sets that). DeepSeek-V3
+is ``deepseek2`` as ``DeepseekV2Model`` writes it: MLA as MQA over the latent (head_count_kv 1,
+key/value lengths of the latent, the head sizes in ``*_mla``), kv_b_proj split per head into
+``attn_k_b`` (transposed) and ``attn_v_b``, the router bias as ``exp_probs_b.bias``, a dense first
+layer, sigmoid gating over expert groups, YaRN with ``yarn_log_multiplier``. The expert FF size (384) is not the
 architecture's default, on purpose: transformers' qwen3moe config mapping ignores
 ``expert_feed_forward_length`` (CONTEXT.md), and the loader must read it from the shapes.
 K-quants need rows that are multiples of 256: hidden 256, expert FF 512.
