@@ -465,11 +465,11 @@ def test_deepseek_router_stays_float32(tmp_path):
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
     assert model.model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
-    src = tiny_model_bias(path)
+    src = _stored_bias(path)
     assert torch.equal(gate.e_score_correction_bias, src)
 
 
-def tiny_model_bias(path):
+def _stored_bias(path):
     """The selection bias of block 1 as the file stores it (exp_probs_b.bias, float32)."""
     tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.exp_probs_b.bias")
     return torch.from_numpy(np.array(tensor.data, dtype=np.float32))
