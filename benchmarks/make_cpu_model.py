@@ -22,6 +22,13 @@ A Mixtral-shaped one (``--family mixtral``: 8 experts, top-2, expert FF 1536, no
 llama.cpp writes it as arch ``llama`` with its q and k rows permuted):
 
     python benchmarks/make_cpu_model.py --llama-cpp ... --out /tmp/mixtral-12L --family mixtral --layers 12 --vocab 4096
+
+A DeepSeek-V3-shaped one (``--family deepseek_v3``: MLA with q_lora 512 / kv_lora 256, 8 heads of
+128 + 64 rope dims, 64 experts top-8 in 8 groups (top 4), a shared expert, a dense first layer,
+sigmoid routing with its selection bias, DeepSeek-V3's YaRN; llama.cpp writes it as ``deepseek2``
+with kv_b_proj split into k_b / v_b):
+
+    python benchmarks/make_cpu_model.py --llama-cpp ... --out /tmp/deepseek-6L --family deepseek_v3 --vocab 4096
 """
 
 from __future__ import annotations
@@ -35,6 +42,15 @@ SHAPE = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_k
              vocab_size=151936, moe_intermediate_size=768, intermediate_size=3072, num_experts=64,
              num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=4096,
              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+DEEPSEEK = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
+                vocab_size=151936, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                v_head_dim=128, intermediate_size=3072, moe_intermediate_size=512, n_routed_experts=64,
+                num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6,
+                tie_word_embeddings=False,
+                rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                 "original_max_position_embeddings": 4096})
 MIXTRAL = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                vocab_size=151936, intermediate_size=1536, num_local_experts=8, num_experts_per_tok=2,
                max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -62,11 +78,19 @@ def save_hf(out: Path, seed: int, shape: dict, family: str = "qwen3_moe") -> Non
     torch.manual_seed(seed)
     # a small vocabulary: the tokenizer's own <|endoftext|> (256 bytes + 5 merges) ends text
     eos = 261 if shape["vocab_size"] < SHAPE["vocab_size"] else 151643
-    config_class, model_class = ((tf.MixtralConfig, tf.MixtralForCausalLM) if family == "mixtral"
-                                 else (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM))
+    config_class, model_class = {"mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+                                 "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}.get(
+        family, (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM))
     config = config_class(**shape, bos_token_id=eos, eos_token_id=eos)
     config.architectures = [model_class.__name__]
+    if family == "deepseek_v3":  # DeepSeek-V3's config.json names it; the converter writes the gating from it
+        config.scoring_func = "sigmoid"
     model = model_class(config).to(torch.bfloat16).eval()
+    if family == "deepseek_v3":
+        with torch.no_grad():  # the selection bias starts at zero: make it count
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0, 0.1)
     model.save_pretrained(out)
     vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
     merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n")]  # llama.cpp wants some
@@ -87,7 +111,7 @@ def main() -> int:
     p.add_argument("--quantize", type=Path, help="llama-quantize (default: build/bin under --llama-cpp)")
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers (default 6)")
     p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="vocabulary size (default Qwen's 151936)")
-    p.add_argument("--family", choices=("qwen3_moe", "mixtral"), default="qwen3_moe")
+    p.add_argument("--family", choices=("qwen3_moe", "mixtral", "deepseek_v3"), default="qwen3_moe")
     args = p.parse_args()
     llama, out = args.llama_cpp.resolve(), args.out.resolve()
     quantize = args.quantize or llama / "build" / "bin" / "llama-quantize"
@@ -96,7 +120,7 @@ def main() -> int:
     hf, f16, q4 = out / "hf", out / "model-f16.gguf", out / "model-Q4_K_M.gguf"
     out.mkdir(parents=True, exist_ok=True)
     if not (hf / "config.json").exists():
-        shape = MIXTRAL if args.family == "mixtral" else SHAPE
+        shape = {"mixtral": MIXTRAL, "deepseek_v3": DEEPSEEK}.get(args.family, SHAPE)
         save_hf(hf, args.seed, {**shape, "num_hidden_layers": args.layers, "vocab_size": args.vocab}, args.family)
     if not f16.exists():
         code = CONVERT.format(llama=str(llama), hf=str(hf), out=str(f16))

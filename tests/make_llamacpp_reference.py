@@ -14,6 +14,9 @@ with the sdist's package on the path and its vendored llama.cpp built as a share
     (unpack; cmake -B build -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=ON in vendor/llama.cpp;
      cmake --build build --target llama; ln -s ../vendor/llama.cpp/build/bin llama_cpp/lib)
     PYTHONPATH=/work/refs/llama_cpp_python-0.3.36:tests python tests/make_llamacpp_reference.py
+
+(or, without the link, ``LLAMA_CPP_LIB_PATH=.../vendor/llama.cpp/build/bin``; llama-cpp-python
+imports ``diskcache``.)
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ OUT = HERE / "data" / "llamacpp_logits.npz"
 TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4")
 # fixtures whose dense weights are quantized too (write_gguf's dense_type): (family, experts, dense)
 DENSE = (("qwen3_moe", "Q4_K", "Q8_0"), ("qwen2_moe", "Q8_0", "Q4_0"))
-# families llama.cpp reads under other archs (Mixtral: ``llama`` with q/k permuted; OLMoE), F32 dense:
-# the file llama.cpp computes is the one the loader un-permutes. ``--families`` adds only these
-# to an existing file (the llama.cpp build here segfaulted on the quantized-dense fixtures above).
-FAMILIES = (("mixtral", "Q4_K", "F32"), ("olmoe", "Q8_0", "F32"))
+# families llama.cpp reads under other archs (Mixtral: ``llama`` with q/k permuted; OLMoE; DeepSeek-V3:
+# ``deepseek2``, kv_b_proj split into k_b / v_b, YaRN), F32 dense: the file llama.cpp computes is the
+# one the loader un-permutes / rebuilds. ``--families`` adds only these to an existing file (the
+# llama.cpp build here segfaulted on the quantized-dense fixtures above).
+FAMILIES = (("mixtral", "Q4_K", "F32"), ("olmoe", "Q8_0", "F32"), ("deepseek_v3", "Q8_0", "F32"))
 TOKENS = [5, 9, 200, 31, 77, 140, 3, 250, 66, 101, 12, 180, 44, 230, 90, 17]  # ids below the tiny vocab
 
 

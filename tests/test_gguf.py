@@ -237,6 +237,8 @@ def family_reference(path, family: str):
         return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
     with torch.no_grad():
         for layer, block in enumerate(ref.model.layers):
+            if not hasattr(block.mlp, "experts"):
+                continue  # DeepSeek's dense first layer
             gate, up, down = (weights(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
             block.mlp.experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))   # [E, 2I, H]: gate rows first
             block.mlp.experts.down_proj.copy_(down)                              # [E, H, I]
@@ -347,6 +349,187 @@ def test_a_llama_moe_file_with_other_rope_is_refused(tmp_path, key, value, match
         _hf_config(header)
 
 
+# -- DeepSeek-V3/R1, Kimi-K2 (arch deepseek2): MLA, sigmoid routing over groups, YaRN ---------------
+@pytest.fixture(scope="module", params=["F32", "Q4_K"])
+def deepseek_file(request, tmp_path_factory):
+    path = write_gguf(tmp_path_factory.mktemp("ds") / "deepseek.gguf", "deepseek_v3", request.param)
+    return (request.param, path, *expected(family_reference(path, "deepseek_v3"), PROMPT))
+
+
+@pytest.mark.parametrize("slot_format", ["quantized", "dequantized"])
+@pytest.mark.parametrize("miss,partition", [("fetch", "global"), ("cpu", "per-layer")])
+def test_deepseek_gguf_equals_its_source_model(deepseek_file, slot_format, miss, partition):
+    """The file's config, MLA (kv_b_proj rebuilt from k_b / v_b), router bias, dense first layer and
+    shared expert equal the source model's: its logits within 1e-4 and greedy tokens, with slots.
+    llama.cpp's own logits for the fixture: tests/test_ggml_graph.py."""
+    _, path, logits, tokens = deepseek_file
+    model = assert_offload_matches(path, PROMPT, logits, tokens, slot_format=slot_format, miss=miss,
+                                   partition=partition)
+    cfg, src = model.config, family_reference(path, "deepseek_v3").config
+    for name in ("first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                 "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                 "n_shared_experts", "n_routed_experts", "moe_intermediate_size", "intermediate_size",
+                 "num_key_value_heads"):
+        assert getattr(cfg, name) == getattr(src, name), name
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["mscale_all_dim"] == 1.0
+    assert len(model.expertcache.hosts) == cfg.num_hidden_layers - 1   # the dense first layer has none
+
+
+@pytest.mark.parametrize("kernel", ["torch", "ggml"])
+def test_deepseek_resident_on_the_cpu(tmp_path, kernel):
+    """baseline='resident' (every expert computed from the host's bytes) on the per-layer path; with
+    ggml's kernels the one graph names MLA as what it lacks. F32 experts: logits within float
+    rounding of the source model's and greedy tokens equal, with either kernel (quantized ones
+    through ggml: against llama.cpp's logits in tests/test_ggml_graph.py)."""
+    path = write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "F32")
+    logits, tokens = expected(family_reference(path, "deepseek_v3"), PROMPT)
+    model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel=kernel)
+    summary = model.expertcache.summary()
+    assert summary["cpu_graph"] == "off"
+    if kernel == "ggml":
+        assert "(MLA) is not built in the graph yet" in summary["cpu_graph_reason"]
+    with torch.no_grad():
+        got = model(PROMPT).logits
+        out = model.generate(PROMPT, max_new_tokens=tokens.shape[1] - PROMPT.shape[1], do_sample=False)
+    assert (got - logits).abs().max().item() <= 1e-5
+    assert torch.equal(out, tokens)
+
+
+@pytest.mark.parametrize("settings", [dict(baseline="resident"), dict(slots=6)], ids=["resident", "slots"])
+def test_deepseek_under_the_ram_tier_equals_all_in_ram(tmp_path, settings):
+    """host_memory='tiered' with half the experts in RAM, the rest read from the file: the same
+    greedy tokens as every expert in RAM (16 experts a layer, so the tier both hits and reads at
+    decode). ggml's kernels, both runs: a resident run with torch's reads every expert at the
+    prompt and its decode never asks the tier (Qwen3-MoE's too: not DeepSeek's to fix here)."""
+    path = write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0", experts=16)
+    ram = expertcache.offload(path, device="cpu", host_memory="copy", cpu_kernel="ggml", **settings)
+    tier = expertcache.offload(path, device="cpu", host_memory="tiered", host_budget="50%", cpu_kernel="ggml",
+                               **settings)
+    want = ram.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    assert torch.equal(tier.generate(PROMPT, max_new_tokens=10, do_sample=False), want)
+    decode = tier.expertcache.stats().pool["tier"]["decode"]
+    assert decode["file_reads"] > 0 and decode["ram_hits"] > 0
+
+
+def test_deepseek_before_the_kv_b_split_loads_the_same(tmp_path):
+    """Files converted before llama.cpp split kv_b_proj (one ``attn_kv_b``, head sizes in
+    key_length / value_length) load to the same model as today's split k_b / v_b."""
+    split = write_gguf(tmp_path / "split.gguf", "deepseek_v3", "Q8_0")
+    whole = write_gguf(tmp_path / "whole.gguf", "deepseek_v3", "Q8_0", split_kv_b=False)
+    assert "blk.1.attn_kv_b.weight" in read_header(whole).tensors
+    assert "blk.1.attn_kv_b.weight" not in read_header(split).tensors
+    a, b = (expertcache.offload(p, device="cpu", baseline="resident", cpu_kernel="torch") for p in (split, whole))
+    with torch.no_grad():
+        assert torch.equal(a(PROMPT).logits, b(PROMPT).logits)
+
+
+@pytest.mark.parametrize("dense", ["Q8_0", "Q4_0"])
+def test_deepseek_quantized_k_b_and_v_b_rebuild_kv_b(tmp_path, dense):
+    """Quantized k_b / v_b (3-D: [heads, rows, cols], blocks along each row) are dequantized and
+    put back as the converter split them: kv_b_proj equals the merge of gguf-py's own
+    dequantization of the two, exactly (the fixture's rows are 32 and 64 wide: 32-blocks only)."""
+    from gguf_models import tiny_config, vocab_size
+
+    path = write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0", dense_type=dense)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="torch")
+    cfg = tiny_config("deepseek_v3", vocab_size("deepseek_v3"))
+    for layer in range(cfg.num_hidden_layers):
+        k_b, v_b = (gguf.quants.dequantize(tensors[f"blk.{layer}.attn_{x}_b.weight"].data,
+                                           tensors[f"blk.{layer}.attn_{x}_b.weight"].tensor_type) for x in "kv")
+        assert tensors[f"blk.{layer}.attn_k_b.weight"].tensor_type == gguf.GGMLQuantizationType[dense]
+        # [heads, kv_lora, nope] and [heads, v, kv_lora] -> [heads * (nope + v), kv_lora]
+        want = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, cfg.kv_lora_rank)
+        got = model.model.layers[layer].self_attn.kv_b_proj.weight
+        assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)))
+
+
+def test_deepseek_with_half_of_kv_b_is_refused(tmp_path):
+    from expertcache.loaders.common import empty_model
+    from expertcache.loaders.gguf import _hf_config, _load_dense
+    from expertcache.loaders.gguf_dense import dense_choice
+
+    header = read_header(write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0"))
+    del header.tensors["blk.2.attn_v_b.weight"]
+    config = _hf_config(header)
+    with pytest.raises(ValueError, match=r"blk.2.attn_k_b.weight without its other half \(attn_v_b\)"):
+        _load_dense(empty_model(config, torch.float32), header, config, torch.float32,
+                    dense_choice("torch", torch.device("cpu")))
+
+
+def test_deepseek_router_stays_float32(tmp_path):
+    """transformers keeps DeepSeek's router and its selection bias in float32 (from_pretrained's
+    ``_keep_in_fp32_modules_strict``); a bfloat16 load keeps them so too."""
+    path = write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0")
+    model = expertcache.offload(path, device="cpu", baseline="resident", dtype="bfloat16", cpu_kernel="torch")
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
+    src = _stored_bias(path)
+    assert torch.equal(gate.e_score_correction_bias, src)
+
+
+def _stored_bias(path):
+    """The selection bias of block 1 as the file stores it (exp_probs_b.bias, float32)."""
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.exp_probs_b.bias")
+    return torch.from_numpy(np.array(tensor.data, dtype=np.float32))
+
+
+def test_deepseek_tokenizer_from_the_gguf(tmp_path):
+    from expertcache.loaders import load_tokenizer
+
+    tok = load_tokenizer(write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0"))
+    ids = tok("the cat").input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == "the cat"
+
+
+def test_transformers_still_maps_no_deepseek2_gguf(tmp_path):
+    """Pins why the loader maps deepseek2's keys itself. Drop that code when this starts failing."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with pytest.raises(ValueError, match="not supported"):
+        load_gguf_checkpoint(str(write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0")), return_tensors=False)
+
+
+def test_deepseek2_keys_llama_cpp_leaves_out_read_as_it_does(tmp_path):
+    """Absent group counts (llama.cpp: no groups; Kimi-K2 writes one group), scale (no scaling) and
+    norm (not renormalised), and no q_lora_rank (a plain attn_q, DeepSeek-V2-Lite's layout)."""
+    from expertcache.loaders.gguf import _hf_config
+
+    header = read_header(write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0"))
+    for key in ("expert_group_count", "expert_group_used_count", "expert_weights_scale", "expert_weights_norm",
+                "attention.q_lora_rank"):
+        header.metadata.pop(f"deepseek2.{key}")
+    cfg = _hf_config(header)
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob) == (1, 1, 1.0, False)
+    assert cfg.q_lora_rank is None
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"expert_gating_func": 1}, "gating softmax: the softmax routing of DeepSeek-V2/V2.5 is not read"),
+    ({"expert_gating_func": None}, "gating none \\(llama.cpp reads softmax\\)"),
+    ({"rope.scaling.yarn_log_multiplier": None}, "YaRN without rope.scaling.yarn_log_multiplier"),
+    ({"rope.scaling.type": "linear"}, "RoPE scaling 'linear' in a deepseek2 file"),
+    ({"rope.scaling.attn_factor": 0.5}, "rope.scaling.attn_factor = 0.5 is not reproduced"),
+    ({"nextn_predict_layers": 1}, "multi-token-prediction layers .* are not read"),
+    ({"leading_dense_block_count": 0}, "experts from block 1 but deepseek2.leading_dense_block_count = 0"),
+    ({"attention.key_length_mla": 64}, "attn_q_b.weight has 192 rows but the deepseek2 keys give 256"),
+    ({"expert_shared_count": 2}, "ffn_gate_shexp.weight has 512 rows but the deepseek2 keys give 1024"),
+])
+def test_a_deepseek2_file_llama_cpp_reads_otherwise_is_refused(tmp_path, change, match):
+    """What transformers' DeepSeek-V3 would compute otherwise than llama.cpp, or keys that disagree
+    with the tensors, is named in one line, not guessed."""
+    from expertcache.loaders.gguf import _hf_config
+
+    header = read_header(write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0"))
+    for key, value in change.items():
+        header.metadata.pop(f"deepseek2.{key}", None)
+        if value is not None:
+            header.metadata[f"deepseek2.{key}"] = value
+    with pytest.raises(ValueError, match=match):
+        _hf_config(header)
+
+
 # -- bad input: one clear line, nothing half-loaded ---------------------------------------
 def _write(path, arch, tensors, **kv):
     writer = gguf.GGUFWriter(str(path), arch)
@@ -368,10 +551,10 @@ def test_dense_gguf_is_refused(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    path = _write(tmp_path / "ds.gguf", "deepseek2",
+    path = _write(tmp_path / "dbrx.gguf", "dbrx",
                   {"blk.0.ffn_gate_exps.weight": (np.zeros((4, 8, 32), np.float32), None)},
-                  **{"deepseek2.expert_count": 4})
-    with pytest.raises(ValueError, match="'deepseek2' \\(4 experts\\) is not supported.*qwen3moe"):
+                  **{"dbrx.expert_count": 4})
+    with pytest.raises(ValueError, match="'dbrx' \\(4 experts\\) is not supported.*qwen3moe.*deepseek2"):
         expertcache.offload(path, slots=4)
 
 

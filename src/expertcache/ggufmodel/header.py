@@ -19,11 +19,12 @@ from ..quant.formats import QuantFormat, check_supported, quant_format
 from .reader import read_gguf
 
 # GGUF architecture -> transformers model_type: the MoE architectures loaded from GGUF (the config
-# from transformers' GGUF mapping, or for gpt-oss, llama and olmoe from llama.cpp's keys:
+# from transformers' GGUF mapping, or for gpt-oss, llama, olmoe and deepseek2 from llama.cpp's keys:
 # loaders/gguf.py). llama.cpp writes Mixtral as ``llama`` with experts; a ``llama`` file without
-# experts is a dense model, refused as such.
+# experts is a dense model, refused as such. ``deepseek2`` is DeepSeek-V2/V3/R1 and Kimi-K2's
+# arch; its sigmoid-routed files (V3, R1, Kimi-K2) load as transformers' DeepSeek-V3.
 SUPPORTED_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss", "llama": "mixtral",
-                   "olmoe": "olmoe"}
+                   "olmoe": "olmoe", "deepseek2": "deepseek_v3"}
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
 # the vocabulary: by far the largest metadata, and not needed to run the model (the tokenizer
 # reads it from the file itself)
@@ -207,7 +208,7 @@ def _check_model(path: Path, arch, metadata: dict, experts: dict) -> None:
         count = metadata.get(f"{arch}.expert_count")
         raise ValueError(f"{path.name}: GGUF architecture {arch!r}{f' ({count} experts)' if count else ''} is not "
                          f"supported: expertcache reads MoE GGUF files of {', '.join(SUPPORTED_ARCHS)} only "
-                         "(llama: Mixtral)")
+                         "(llama: Mixtral; deepseek2: DeepSeek-V3/R1, Kimi-K2)")
     first = experts[min(experts)]
     has_gate = "gate_up.weight" in first or {"gate.weight", "up.weight"} <= set(first)
     if not has_gate or "down.weight" not in first:

@@ -42,7 +42,8 @@ clamped SwiGLU by ``swiglu_oai``), Mixtral (Qwen3-MoE's graph without q/k norms;
 always renormalises the top-k weights) and OLMoE (q/k RMS norms over all heads' values before
 the head split; top-k weights as ``norm_topk_prob`` says: not renormalised in llama.cpp's
 files). Others keep the eager path and ``support()`` and ``summary()['cpu_graph_reason']`` say
-why (DeepSeek: no GGUF of it loads, and MLA is not built; GPT-OSS from an HF MXFP4 checkpoint:
+why (DeepSeek, whose GGUF files load: its multi-head latent attention is not built here yet;
+GPT-OSS from an HF MXFP4 checkpoint:
 gate and up alternate in one tensor).
 Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
 is computed from them); a run with a CPU slot cache keeps the per-layer path; a resident run
@@ -64,10 +65,8 @@ from .threads import ggml_threads
 
 # the families whose quantized experts reach ggml here (the GGUF files loaders/gguf.py reads)
 FAMILIES = {"qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "olmoe"}
-# why a family is not among them (their models never reach the graph's check today: no GGUF
-# file of theirs loads, so their experts are never the quantized bytes ggml reads)
-_NOT_BUILT = {"deepseek_v3": "no GGUF of it loads (arch deepseek2: transformers maps none) and its "
-                             "multi-head latent attention (MLA) is not built in the graph"}
+# why a family is not among them (DeepSeek's deepseek2 files load, and decode on the per-layer path)
+_NOT_BUILT = {"deepseek_v3": "its multi-head latent attention (MLA) is not built in the graph yet"}
 # RoPE types whose frequencies change with the sequence length (``dynamic_rope_update``)
 _DYNAMIC_ROPE = {"dynamic", "longrope"}
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
