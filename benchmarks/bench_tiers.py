@@ -25,6 +25,11 @@ controller) the runs go unlimited and the script says so.
 
     flock /tmp/bench.lock python benchmarks/bench_tiers.py --dir /tmp/tiers-bench --tokens 32 \
         --repeats 3 --json benchmarks/results/bench_tiers.json --png benchmarks/results/bench_tiers.png
+
+On a GPU (`--device cuda --slots 12`): device slots for 12% of the experts sit in front of every
+configuration (reference, mmap, tiered), so a slot miss is served from the RAM tier, else from
+the file: the tier feeding the slots (`gpu_check.sh --steps tiers`). `--device cpu --slots N`
+runs the same path on the CPU engine's slots.
 """
 
 from __future__ import annotations
@@ -109,7 +114,10 @@ def child(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     t0 = time.perf_counter()
-    model = expertcache.offload(spec["model"], device="cpu", baseline="resident", **spec["settings"])
+    # the CPU engine computes every expert from the host (resident); on a GPU, device slots sit in
+    # front of the host tier (a slot miss served from RAM, else from the file)
+    front = {"slots": spec["slots"]} if spec.get("slots") else {"baseline": "resident"}
+    model = expertcache.offload(spec["model"], device=spec.get("device", "cpu"), **front, **spec["settings"])
     load_s = time.perf_counter() - t0
     ids = torch.tensor([PROMPT])
     cache = model.expertcache
@@ -144,10 +152,12 @@ def _status(key: str) -> int:
     return 0
 
 
-def run(model: Path, label: str, settings: dict, tokens: int, threads: int, cgroup: Path | None) -> dict:
+def run(model: Path, label: str, settings: dict, tokens: int, threads: int, cgroup: Path | None,
+        front: dict | None = None) -> dict:
+    """One configuration in a child process; ``front``: {"device", "slots"} (default: the CPU engine, resident)."""
     _drop_caches()
     spec = {"model": str(model), "label": label, "settings": settings, "tokens": tokens, "threads": threads,
-            "cgroup": None if cgroup is None else str(cgroup)}
+            "cgroup": None if cgroup is None else str(cgroup), **(front or {})}
     if cgroup is not None:
         (cgroup / "memory.max_usage_in_bytes").write_text("0")
         (cgroup / "memory.failcnt").write_text("0")
@@ -198,11 +208,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="rounds of every configuration (best one shown)")
     ap.add_argument("--per-layer", action="store_true", help="also run each tier on the per-layer path "
                     "(cpu_graph='off'): before and after the one-graph decode, side by side")
+    ap.add_argument("--device", default="cpu", help="cpu (the CPU engine, every expert from the host) or "
+                    "cuda (device slots in front of the host tier: give --slots)")
+    ap.add_argument("--slots", type=int, help="device slots as a %% of the experts, in front of every configuration")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
     if args.child:
         return child(json.loads(args.child))
+    if args.device == "cuda" and not args.slots:
+        ap.error("--device cuda needs --slots (the device slots in front of the host tier)")
     from expertcache.ggufmodel.header import read_header
     from expertcache.runtime.directio import read_bandwidth
     from expertcache.sizes import format_size, parse_size
@@ -221,19 +236,23 @@ def main() -> None:
     bandwidth = read_bandwidth(model, limit=file_bytes)
     print(f"O_DIRECT read bandwidth {bandwidth / 1e9:.2f} GB/s (4 threads, 512 KiB blocks, whole file)", flush=True)
     ref_settings = dict(host_memory="copy")
+    front = {"device": args.device}
+    if args.slots:
+        front["slots"] = max(header.top_k, round(args.slots / 100 * len(header.moe_blocks) * header.num_experts))
+        print(f"{args.device}: {front['slots']} device slots ({args.slots}% of the experts) in front of every run")
     limits = {}
     for share in args.shares:  # the limit each tier fits in: its peak RSS without a limit, plus the slack
         if args.limit:
             limit = parse_size(args.limit)
         else:
-            cal = run(model, f"calibration: tiered {share}%, no limit", _tier(share), 4, args.threads, None)
+            cal = run(model, f"calibration: tiered {share}%, no limit", _tier(share), 4, args.threads, None, front)
             limit = cal["peak_rss"] + parse_size(args.slack)
             print(f"calibration tiered {share}%: peak RSS {format_size(cal['peak_rss'])} -> limit "
                   f"{format_size(limit)}", flush=True)
         limits[share] = {"limit": limit}
     rounds = []
     for rnd in range(args.repeats):  # interleaved: load from other processes hits every config alike
-        ref = run(model, "copy (all in RAM, reference)", ref_settings, args.tokens, args.threads, None)
+        ref = run(model, "copy (all in RAM, reference)", ref_settings, args.tokens, args.threads, None, front)
         print(f"round {rnd + 1}: reference {ref.get('tok_s', 0):.2f} tok/s, peak RSS "
               f"{format_size(ref.get('peak_rss', 0))}", flush=True)
         rows = []
@@ -248,7 +267,7 @@ def main() -> None:
             if args.per_layer:
                 configs.append((f"tiered {share}% per-layer", dict(_tier(share), cpu_graph="off")))
             for label, settings in configs:
-                r = run(model, label, settings, args.tokens, args.threads, cgroup)
+                r = run(model, label, settings, args.tokens, args.threads, cgroup, front)
                 r.update(limit=limit, pair=share, round=rnd + 1)
                 _score(r, ref, bandwidth)
                 rows.append(r)
@@ -263,7 +282,7 @@ def main() -> None:
     rows = [best[label] for label in dict.fromkeys(r["label"] for rnd in rounds for r in rnd["runs"])
             if label in best]
     ref = max((rnd["reference"] for rnd in rounds), key=lambda r: r.get("tok_s", 0))
-    doc = {"machine": _machine(), "load_before": os.getloadavg(), "model": str(model), "file_bytes": file_bytes,
+    doc = {"machine": _machine(), "load_before": os.getloadavg(), **front, "model": str(model), "file_bytes": file_bytes,
            "experts_bytes": experts_bytes, "shape": SHAPE, "odirect_bandwidth": bandwidth,
            "limits": limits, "tokens": args.tokens, "threads": args.threads,
            "reference": ref, "runs": rows, "rounds": rounds, "repeats": args.repeats, "uptime": subprocess.run(["uptime"], capture_output=True,

@@ -31,7 +31,10 @@
 #   diag       15 s  GPT-OSS MXFP4 logits: CPU and CUDA references and ours, module by module
 #   summary    10 s  one table, gpu_check.json, the plots
 # Only with --steps: graphs-full 90 s (graphs at 48 layers, 50% slots), quant 45 s (bench_quantized.py),
-# dequant 15 s (Q4_K dequantize-per-use cost), tests-slow 90 s (the GPU tests marked slow).
+# dequant 15 s (Q4_K dequantize-per-use cost), tests-slow 90 s (the GPU tests marked slow),
+# tiers 120 s (bench_tiers.py --device cuda --slots 12: the RAM tier feeding the slots against mmap
+# under one memory cgroup limit, issue 33; without a cgroup v1 memory controller it runs unlimited
+# and says so).
 # Numba compiles once per run into the work folder (NUMBA_CACHE_DIR), shared by the steps.
 #
 # Output: $OUT when set (the device tool's folder that comes back: at most 8 files), else
@@ -89,6 +92,9 @@ step() {  # name limit command...: stream its output, record rc and seconds
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
   wanted "$name" || return 0
+  # a rehearsal runs on a shared CPU (a step took 22 s quiet, over 90 s beside a test suite): it
+  # proves the steps run and bring back their files; the limits it must keep are the GPU's
+  [ -n "$REHEARSE" ] && limit=$((limit * 4))
   echo; echo "=== $name (limit ${limit} s) $(date -u +%T)"
   timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$WORK/$name.txt"
   rc=${PIPESTATUS[0]}
@@ -125,6 +131,9 @@ step quant 45 "$PY" benchmarks/bench_quantized.py "${QSIZE[@]}" --json "$WORK/be
 step dequant 15 "$PY" benchmarks/gpu_check.py dequant --work "$WORK" $REHEARSE
 step diag 15 "$PY" benchmarks/gpu_check.py diag --work "$WORK" $REHEARSE
 step tests-slow 90 "${PYTEST[@]}" -m "gpu and slow" "${GPU_TESTS[@]}"
+if [ -n "$REHEARSE" ]; then TIERS=(--device cpu --tokens 4); else TIERS=(--device cuda --tokens 32); fi
+step tiers 120 "$PY" benchmarks/bench_tiers.py "${TIERS[@]}" --slots 12 --shares 25 --repeats 1 \
+  --dir "$WORK/tiers" --json "$WORK/extra_tiers.json"
 timeout 10 "$PY" benchmarks/gpu_check.py summary --work "$WORK" --out "$RES"
 rm -rf "$WORK"
 exec >&- 2>&-
