@@ -144,6 +144,7 @@ class ExpertCache:
         if self.host_resident:  # the host bytes are the slots: nothing to allocate
             return L * E, 0, 0
         if run.baseline == "resident":
+            self._refuse_resident_over_tier()
             self._check_free(sizing.device_bytes(L * E), "baseline 'resident' (every expert on the device)")
             return L * E, L * E, 0
         if run.admission.name == "never":  # nothing is ever cached (baselines cpu, copy-every-pass):
@@ -153,6 +154,19 @@ class ExpertCache:
         slots = cap_slots(run.slots if run.gpu_memory is None else self._slots_in_budget(run), L, E, run.partition)
         self._check_free(sizing.device_bytes(slots), f"a pool of {slots}+{staging} slots")
         return slots, slots, staging
+
+    def _refuse_resident_over_tier(self) -> None:
+        """On the CPU, slots are RAM: resident slots over a RAM tier would hold every expert in RAM
+        (dequantized, here), past the ``host_budget`` the tier was asked to keep."""
+        if self.tier is None or self.device.type != "cpu":
+            return
+        raise ValueError(
+            f"baseline='resident' with host_memory='tiered' on the CPU computes every expert from the RAM "
+            f"tier's rows with ggml's kernels, but this run has {self.slot_format} slots "
+            f"(cpu_kernel {self.cpu_kernel!r}: {self.cpu_kernel_reason}): every expert would be copied into "
+            f"RAM slots ({format_size(self.sizing.device_bytes(self.num_layers * self.num_experts))}), past "
+            f"host_budget. Use baseline='cpu' (every expert computed from the tier's rows), or "
+            f"cpu_kernel='ggml' with slot_format='auto', or a slot budget (slots=, gpu_memory=)")
 
     def _slots_in_budget(self, run: CacheConfig) -> int:
         """Cache slots that fit ``gpu_memory`` next to the staging slots and the scratch."""
