@@ -76,6 +76,9 @@ def test_cli_takes_the_tier_flags(model_file, capsys):
     assert main(["generate", str(model_file), "--device", "cpu", "--baseline", "resident", "--host-memory",
                  "tiered", "--host-budget", "1%", "--max-new-tokens", "4", "--prompt", "the cat"]) == 2
     assert "fewer than the top_k=2" in capsys.readouterr().err
+    assert main(["generate", str(model_file), "--device", "cpu", "--baseline", "resident", "--host-memory",
+                 "tiered", "--host-budget", "25%", "--cpu-kernel", "torch", "--prompt", "the cat"]) == 2
+    assert "past host_budget. Use --baseline cpu " in capsys.readouterr().err   # in the CLI's spelling
 
 
 # -- exactness, counters, sim == live ----------------------------------------------------------

@@ -40,6 +40,8 @@ _SPELLING = [
     (re.compile(r"\bgpu_memory=(\S+)"), r"--gpu-memory \1"),
     (re.compile(r"\bbaseline='resident' / 'cpu' / 'copy-every-pass'"), "--baseline resident, cpu or copy-every-pass"),
     (re.compile(r"\bbaseline '(\S+)'"), r"--baseline \1"),
+    (re.compile(r"\bbaseline='([^' ]+)'"), r"--baseline \1"),
+    (re.compile(r"\bgive slots or gpu_memory\b"), "give --slots or --gpu-memory"),
     (re.compile(r"\ba smaller gpu_memory or fewer slots\b"), "a smaller --gpu-memory or fewer --slots"),
     (re.compile(r"\bslot_format='(\S+)'"), r"--slot-format \1"),
     (re.compile(r"\bcpu_kernel='(\S+)'"), r"--cpu-kernel \1"),

@@ -166,7 +166,7 @@ class ExpertCache:
             f"(cpu_kernel {self.cpu_kernel!r}: {self.cpu_kernel_reason}): every expert would be copied into "
             f"RAM slots ({format_size(self.sizing.device_bytes(self.num_layers * self.num_experts))}), past "
             f"host_budget. Use baseline='cpu' (every expert computed from the tier's rows), or "
-            f"cpu_kernel='ggml' with slot_format='auto', or a slot budget (slots=, gpu_memory=)")
+            f"cpu_kernel='ggml' with slot_format='auto', or give slots or gpu_memory instead")
 
     def _slots_in_budget(self, run: CacheConfig) -> int:
         """Cache slots that fit ``gpu_memory`` next to the staging slots and the scratch."""
