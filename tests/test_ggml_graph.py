@@ -368,6 +368,32 @@ def _sharpen_attention(model, factor: float) -> None:
             layer.self_attn.kv_a_proj_with_mqa.weight.mul_(factor)
 
 
+def test_deepseek_without_a_q_lora_rank(tmp_path, monkeypatch):
+    """q by one q_proj (``q_lora_rank`` None: no q_a / q_b): greedy tokens and logits of the
+    graph equal the per-layer path's."""
+    import gguf_models
+
+    tiny = gguf_models.tiny_config
+
+    def config(*args, **kwargs):
+        cfg = tiny(*args, **kwargs)
+        cfg.q_lora_rank = None
+        return cfg
+    monkeypatch.setattr(gguf_models, "tiny_config", config)
+    model = _load(tmp_path, "deepseek_v3", "F32", "F32")
+    assert model.config.q_lora_rank is None and "q" in model._expertcache_graph.spec.layers[1]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(SHARPEN)
+            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(SHARPEN)
+    decoder = model._expertcache_graph
+    decoder.enabled = False
+    eager_tokens, eager_logits, _, _ = _decode(model, PROMPT, 8)
+    decoder.enabled = True
+    tokens, logits, _, _ = _decode(model, PROMPT, 8)
+    assert decoder.steps == 8 and tokens == eager_tokens and _rel(logits, eager_logits) < FLOAT_TOL
+
+
 def test_deepseek_graph_routing_equals_the_eager_router(tmp_path):
     """The graph's choice of experts (sigmoid, selection bias, groups by their top-2 sum, top-k
     among the kept groups) is transformers' router's, token for token, over a prompt run as one
