@@ -328,7 +328,8 @@ def test_deepseek_decodes_through_the_graph(tmp_path, monkeypatch):
     monkeypatch.setattr(ggmlgraph, "_MIN_CAPACITY", 2)
     model = _load(tmp_path, "deepseek_v3", "F32", "F32")
     summary = model.expertcache.summary()
-    assert summary["cpu_graph"] == "on" and summary["cpu_graph_reason"].startswith("one ggml graph a forward (deepseek_v3")
+    assert summary["cpu_graph"] == "on"
+    assert summary["cpu_graph_reason"].startswith("one ggml graph a forward (deepseek_v3")
     decoder, cfg = model._expertcache_graph, model.config
     assert "mlp" in decoder.spec.layers[0] and cfg.n_group > 1 and cfg.topk_group < cfg.n_group
     _sharpen_attention(model, SHARPEN)
