@@ -33,7 +33,10 @@ CASES = [("qwen3_moe", "F32", "F32"), ("qwen3_moe", "F16", "F16"), ("qwen3_moe",
          ("qwen2_moe", "Q8_0", "Q4_0"), ("qwen2_moe", "F32", "F32"),
          # Mixtral (its q/k un-permuted at load, kept as Q8_0 / Q4_K blocks), OLMoE (norms over all heads)
          ("mixtral", "F32", "F32"), ("mixtral", "Q4_K", "Q8_0"), ("mixtral", "Q8_0", "Q4_K"),
-         ("olmoe", "F32", "F32"), ("olmoe", "Q8_0", "Q4_0")]
+         ("olmoe", "F32", "F32"), ("olmoe", "Q8_0", "Q4_0"),
+         # DeepSeek-V3: MLA (its cache the latent and k_pe), sigmoid routing over expert groups, a
+         # dense first layer, a shared expert
+         ("deepseek_v3", "F32", "F32"), ("deepseek_v3", "Q8_0", "Q8_0")]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,8 +93,9 @@ def test_graph_decode_equals_the_per_layer_path(tmp_path, family, experts, dense
     # the cache's counters see the graph's routing as they saw the eager path's
     counts = model.expertcache.stats().sums(1)
     assert counts["accesses"] == eager_counts["accesses"] and counts["hits"] == eager_counts["hits"] > 0
-    # the caller's cache reads the graph's KV rows: [1, kv heads, prompt + 12, head dim], and holds
-    # no tensors of its own (the eager prefill's were dropped at the hand-over: the KV is held once)
+    # the caller's cache reads the graph's KV rows: [1, kv heads, prompt + 12, head dim] (DeepSeek:
+    # [1, 1, n, latent] and [1, 1, n, rope dims]), and holds no tensors of its own (the eager
+    # prefill's were dropped at the hand-over: the KV is held once)
     assert past.get_seq_length() == len(PROMPT[0]) + 12
     assert past.layers[0].keys.shape[2] == past.get_seq_length()
     assert past.layers[0].keys.data_ptr() == decoder.kv[0][0].data_ptr()
@@ -315,14 +319,111 @@ def test_gpt_oss_sliding_layers_keep_a_ring(tmp_path, monkeypatch):
         assert _rel(k, k_ref) < FLOAT_TOL and _rel(v, v_ref) < FLOAT_TOL and _rel(full, full_ref) < FLOAT_TOL
 
 
-def test_deepseek_says_why_it_keeps_the_per_layer_path(tmp_path):
-    """DeepSeek's GGUF files load (arch deepseek2) and decode on the per-layer path: the graph
-    does not build its multi-head latent attention yet, and the reason says only that."""
-    model = _load(tmp_path, "deepseek_v3", "Q8_0", "F32")
+def test_deepseek_decodes_through_the_graph(tmp_path, monkeypatch):
+    """DeepSeek-V3 (arch deepseek2) takes the graph: MLA in llama.cpp's absorbed form over a cache
+    of transformers' latent rows, the group-limited sigmoid routing, the dense first layer. The
+    KV cache moves between the graph and the eager path both ways (eager steps read the graph's
+    rows, then the graph the eager rows), grows from 2 rows, and another cache decodes in
+    between: tokens equal the all-eager run's and logits within FLOAT_TOL throughout."""
+    monkeypatch.setattr(ggmlgraph, "_MIN_CAPACITY", 2)
+    model = _load(tmp_path, "deepseek_v3", "F32", "F32")
     summary = model.expertcache.summary()
-    assert summary["cpu_graph"] == "off"
-    assert summary["cpu_graph_reason"].startswith("deepseek_v3: its multi-head latent attention (MLA) is not "
-                                                  "built in the graph yet")
+    assert summary["cpu_graph"] == "on"
+    assert summary["cpu_graph_reason"].startswith("one ggml graph a forward (deepseek_v3")
+    decoder, cfg = model._expertcache_graph, model.config
+    assert "mlp" in decoder.spec.layers[0] and cfg.n_group > 1 and cfg.topk_group < cfg.n_group
+    _sharpen_attention(model, SHARPEN)
+
+    def run(graph: bool):
+        decoder.enabled = graph
+        a_tok, a_log, past, tok = _decode(model, PROMPT, 4)
+        decoder.enabled = False                                          # eager steps on the graph's rows
+        b_tok, b_log, past, tok = _decode(model, None, 3, past, tok)
+        decoder.enabled = graph                                          # the graph on the eager rows
+        c_tok, c_log, _, _ = _decode(model, [[50, 51]], 5)               # another cache in between
+        d_tok, d_log, past, _ = _decode(model, None, 6, past, tok)
+        return a_tok + b_tok + c_tok + d_tok, torch.cat([a_log, b_log, c_log, d_log]), past
+
+    eager_tokens, eager_logits, _ = run(False)
+    tokens, logits, past = run(True)
+    assert decoder.steps == 15 and decoder.capacity >= 16
+    assert tokens == eager_tokens
+    assert _rel(logits, eager_logits) < FLOAT_TOL
+    # the caller's cache holds transformers' latent rows: keys [1, 1, n, latent], values [1, 1, n, rope]
+    n = past.get_seq_length()
+    assert n == len(PROMPT[0]) + 13
+    assert past.layers[1].keys.shape == (1, 1, n, cfg.kv_lora_rank)
+    assert past.layers[1].values.shape == (1, 1, n, cfg.qk_rope_head_dim)
+
+
+# q and k_pe scaled in the loaded model (both paths read the same float32 weights): the fixture's
+# initial weights (std 0.02) leave every attention score near 0, the softmax near uniform, and
+# an error in q.k unseen
+SHARPEN = 6.0
+
+
+def _sharpen_attention(model, factor: float) -> None:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_b_proj.weight.mul_(factor)
+            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(factor)
+
+
+def test_deepseek_without_a_q_lora_rank(tmp_path, monkeypatch):
+    """q by one q_proj (``q_lora_rank`` None: no q_a / q_b): greedy tokens and logits of the
+    graph equal the per-layer path's."""
+    import gguf_models
+
+    tiny = gguf_models.tiny_config
+
+    def config(*args, **kwargs):
+        cfg = tiny(*args, **kwargs)
+        cfg.q_lora_rank = None
+        return cfg
+    monkeypatch.setattr(gguf_models, "tiny_config", config)
+    model = _load(tmp_path, "deepseek_v3", "F32", "F32")
+    assert model.config.q_lora_rank is None and "q" in model._expertcache_graph.spec.layers[1]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(SHARPEN)
+            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(SHARPEN)
+    decoder = model._expertcache_graph
+    decoder.enabled = False
+    eager_tokens, eager_logits, _, _ = _decode(model, PROMPT, 8)
+    decoder.enabled = True
+    tokens, logits, _, _ = _decode(model, PROMPT, 8)
+    assert decoder.steps == 8 and tokens == eager_tokens and _rel(logits, eager_logits) < FLOAT_TOL
+
+
+def test_deepseek_graph_routing_equals_the_eager_router(tmp_path):
+    """The graph's choice of experts (sigmoid, selection bias, groups by their top-2 sum, top-k
+    among the kept groups) is transformers' router's, token for token, over a prompt run as one
+    graph: the cache's counters and the graph's ids against the router's own output."""
+    model = _load(tmp_path, "deepseek_v3", "F32", "F32")
+    decoder = model._expertcache_graph
+    prompt = torch.arange(20, 60).view(1, 40)
+    picks, ungrouped = [], []
+
+    def hook(router, args, out):
+        picks.append(out[2].sort(-1).values)                                     # [T, K]
+        choice = out[0].sigmoid() + router.e_score_correction_bias              # without the groups
+        ungrouped.append(choice.topk(router.top_k, -1).indices.sort(-1).values)
+
+    hooks = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers[1:]]
+    decoder.enabled = False
+    with torch.no_grad():
+        model(prompt, use_cache=True)
+    for hook in hooks:
+        hook.remove()
+    decoder.enabled = True
+    with torch.no_grad():
+        model(prompt, use_cache=True)
+    mine = [torch.from_numpy(ids.copy()).long().sort(-1).values for ids in decoder.graphs[(40, 40, 256)].routed()]
+    assert len(mine) == len(picks) == 2
+    for ids, ref in zip(mine, picks):
+        assert torch.equal(ids, ref)
+    # the groups decide: without them some tokens would have gone elsewhere
+    assert any(not torch.equal(ref, plain) for ref, plain in zip(picks, ungrouped))
 
 
 def test_the_graph_checks_what_it_reads_of_mixtral_and_olmoe(tmp_path):
@@ -360,11 +461,12 @@ def test_the_cli_flag_reaches_the_config():
 
 
 # llama.cpp on the Mixtral (arch llama, q/k permuted) and OLMoE fixtures: measured 1.1e-6 and 5.8e-7
-FAMILY_LLAMA_TOL = {"dense_mixtral_Q4_K_F32": 1e-5, "dense_olmoe_Q8_0_F32": 1e-5}
+FAMILY_LLAMA_TOL = {"dense_mixtral_Q4_K_F32": 1e-5, "dense_olmoe_Q8_0_F32": 1e-5, "dense_deepseek_v3_Q8_0_F32": 1e-5}
 
 
 @pytest.mark.parametrize("family,experts,dense", [("qwen3_moe", "Q4_K", "Q8_0"), ("qwen2_moe", "Q8_0", "Q4_0"),
-                                                  ("mixtral", "Q4_K", "F32"), ("olmoe", "Q8_0", "F32")])
+                                                  ("mixtral", "Q4_K", "F32"), ("olmoe", "Q8_0", "F32"),
+                                                  ("deepseek_v3", "Q8_0", "F32")])
 def test_graph_decode_against_llamacpps_logits(tmp_path, family, experts, dense):
     """llama.cpp's logits for the same file and tokens (``tests/data/llamacpp_logits.npz``, made by
     ``tests/make_llamacpp_reference.py``), every position after the first decoded by the graph,
@@ -409,7 +511,7 @@ def test_deepseek_per_layer_path_against_llamacpps_logits(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "deepseek_v3", "Q8_0")
     assert hashlib.sha256(path.read_bytes()).hexdigest() == str(ref[f"{key}_sha256"])
     llama, tokens = torch.from_numpy(ref[f"{key}_logits"]), torch.from_numpy(ref["tokens"])
-    model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="ggml")
+    model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="ggml", cpu_graph="off")
     rows = []
     with torch.no_grad():
         out = model(tokens[:1].unsqueeze(0), use_cache=True)

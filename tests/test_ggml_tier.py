@@ -59,6 +59,26 @@ def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
     assert "read ahead" in model.expertcache.tier.summary_line()
 
 
+def test_deepseek_tier_graph_equals_the_resident_graph_and_the_eager_tier(tmp_path):
+    """DeepSeek-V3 (a dense first layer, then MoE layers with group-limited sigmoid routing and a
+    shared expert) over the RAM tier: the segments split after its routers, the experts read from
+    the tier's rows; logits bit for bit the resident graph's, tokens the per-layer tier's."""
+    path = write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0", layers=3)
+    ref = expertcache.offload(path, device="cpu", baseline="resident", host_memory="copy",
+                              cpu_repack="off").generate(PROMPT, **KW)
+    eager = _tiered(path, cpu_graph="off").generate(PROMPT, **KW)
+    model = _tiered(path)
+    summary = model.expertcache.summary()
+    assert summary["cpu_graph"] == "on" and "experts from the RAM tier's rows" in summary["cpu_graph_reason"]
+    got = model.generate(PROMPT, **KW)
+    decoder = model._expertcache_graph
+    assert decoder.steps == NEW - 1 and decoder.prefills == 1
+    assert torch.equal(got.sequences, ref.sequences) and torch.equal(got.sequences, eager.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))  # bit for bit
+    tier = model.expertcache.stats().pool["tier"]
+    assert tier["decode"]["file_reads"] > 0 and tier["decode"]["ram_hits"] > 0
+
+
 def test_read_ahead_changes_no_count_and_no_logit(model_file):
     """The table plans each step as without the guesses: the same hits and reads, the same logits;
     the guesses' used reads replace reads of the step, their wasted bytes are counted apart."""

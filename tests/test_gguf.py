@@ -377,22 +377,24 @@ def test_deepseek_gguf_equals_its_source_model(deepseek_file, slot_format, miss,
 
 @pytest.mark.parametrize("kernel", ["torch", "ggml"])
 def test_deepseek_resident_on_the_cpu(tmp_path, kernel):
-    """baseline='resident' (every expert computed from the host's bytes) on the per-layer path; with
-    ggml's kernels the one graph names MLA as what it lacks. F32 experts: logits within float
-    rounding of the source model's and greedy tokens equal, with either kernel (quantized ones
-    through ggml: against llama.cpp's logits in tests/test_ggml_graph.py)."""
+    """baseline='resident' (every expert computed from the host's bytes): with ggml's kernels
+    through the one graph (MLA, grouped sigmoid routing), with torch's on the per-layer path.
+    F32 experts: logits within float rounding of the source model's and greedy tokens equal,
+    with either kernel (quantized ones through ggml: against llama.cpp's logits in
+    tests/test_ggml_graph.py)."""
     path = write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "F32")
     logits, tokens = expected(family_reference(path, "deepseek_v3"), PROMPT)
     model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel=kernel)
     summary = model.expertcache.summary()
-    assert summary["cpu_graph"] == "off"
-    if kernel == "ggml":
-        assert "(MLA) is not built in the graph yet" in summary["cpu_graph_reason"]
+    assert summary["cpu_graph"] == ("on" if kernel == "ggml" else "off"), summary["cpu_graph_reason"]
     with torch.no_grad():
         got = model(PROMPT).logits
         out = model.generate(PROMPT, max_new_tokens=tokens.shape[1] - PROMPT.shape[1], do_sample=False)
     assert (got - logits).abs().max().item() <= 1e-5
     assert torch.equal(out, tokens)
+    if kernel == "ggml":   # both prompts and every decode step ran as graphs
+        decoder = model._expertcache_graph
+        assert decoder.prefills == 2 and decoder.steps == tokens.shape[1] - PROMPT.shape[1] - 1
 
 
 @pytest.mark.parametrize("settings", [dict(baseline="resident"), dict(slots=6)], ids=["resident", "slots"])

@@ -18,6 +18,7 @@ from . import ggml
 from .ggml import GGML_TYPE_F32, GGML_TYPE_I32, _InitParams, _Tensor
 
 GGML_TYPE_F16, GGML_TYPE_I64 = 1, 27
+ROPE_NORMAL = 0         # adjacent pairs rotated (DeepSeek's interleaved rotary dims)
 ROPE_NEOX = 2           # GGML_ROPE_TYPE_NEOX: rotate halves (transformers' rotate_half)
 PREC_F32 = 10           # GGML_PREC_F32
 _GRAPH_NODES = 16384    # ggml_new_graph_custom's size: far above a 100-layer decode step
@@ -42,6 +43,10 @@ def _declare() -> None:
             ("ggml_scale", T, [P, T, F]), ("ggml_sigmoid", T, [P, T]), ("ggml_soft_max", T, [P, T]),
             ("ggml_clamp", T, [P, T, F, F]), ("ggml_sum_rows", T, [P, T]), ("ggml_cont", T, [P, T]),
             ("ggml_reshape_2d", T, [P, T, I64, I64]), ("ggml_reshape_3d", T, [P, T, I64, I64, I64]),
+            ("ggml_reshape_4d", T, [P, T, I64, I64, I64, I64]),
+            ("ggml_view_4d", T, [P, T, I64, I64, I64, I64, S, S, S, S]),
+            ("ggml_concat", T, [P, T, T, I]), ("ggml_fill", T, [P, T, F]),
+            ("ggml_scale_bias", T, [P, T, F, F]),
             ("ggml_view_2d", T, [P, T, I64, I64, S, S]), ("ggml_view_3d", T, [P, T, I64, I64, I64, S, S, S]),
             ("ggml_permute", T, [P, T, I, I, I, I]),
             ("ggml_rope_ext", T, [P, T, T, T, I, I, I, F, F, F, F, F, F]),
@@ -226,4 +231,4 @@ def ne(t) -> tuple[int, int, int, int]:
 
 
 __all__ = ["Graph", "data_of", "nb", "ne", "GGML_TYPE_F32", "GGML_TYPE_F16", "GGML_TYPE_I32",
-           "GGML_TYPE_I64", "ROPE_NEOX"]
+           "GGML_TYPE_I64", "ROPE_NEOX", "ROPE_NORMAL"]

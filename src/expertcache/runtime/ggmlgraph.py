@@ -23,7 +23,9 @@ frequencies as its rotary module computed them), so it computes what the eager p
 with ggml's arithmetic.
 
 The KV cache: per layer one float32 buffer ``[capacity, kv_heads * head_dim]`` (a row a
-token, llama.cpp's layout), grown by doubling. The caller's ``DynamicCache`` keeps working:
+token, llama.cpp's layout), grown by doubling; DeepSeek's MLA one ``[capacity, latent + rope]``
+holding what transformers caches there (keys: the normed latent; values: the rotated k_pe),
+its two column spans the layer's K and V. The caller's ``DynamicCache`` keeps working:
 after each step its layers hold views of these buffers; rows written by the eager path (any
 forward the graph does not take) are copied in before the next graph step (the hand-over).
 
@@ -41,10 +43,21 @@ biases, the router's bias and softmax over the top-k logits, expert biases by ``
 clamped SwiGLU by ``swiglu_oai``), Mixtral (Qwen3-MoE's graph without q/k norms; its router
 always renormalises the top-k weights) and OLMoE (q/k RMS norms over all heads' values before
 the head split; top-k weights as ``norm_topk_prob`` says: not renormalised in llama.cpp's
-files). Others keep the eager path and ``support()`` and ``summary()['cpu_graph_reason']`` say
-why (DeepSeek, whose GGUF files load: its multi-head latent attention is not built here yet;
-GPT-OSS from an HF MXFP4 checkpoint:
-gate and up alternate in one tensor).
+files) and DeepSeek-V3 (llama.cpp's deepseek2 files). DeepSeek's multi-head latent attention
+runs in llama.cpp's absorbed form: q's no-RoPE part is taken into the latent by kv_b_proj's k
+rows (a transposed float32 copy, made at load), attention runs over the cached latent and k_pe
+(``flash_attn_ext`` with K of latent + rope dims, V the latent: a view of the same rows), and
+each head's latent output leaves through kv_b_proj's v rows; transformers expands the latent
+into every head's k and v instead: the same q.k and output up to float rounding, without the
+expansion's cost growing with the context. Its RoPE dims are rotated as adjacent pairs (ggml's
+normal mode) and de-interleaved after, as ``apply_rotary_pos_emb_interleave`` leaves them and
+the cache holds them; the softmax scale is the module's ``scaling`` (YaRN's mscale folded in).
+Its routing (``build_moe_ffn``'s ops): sigmoid scores, the selection bias added for the choice,
+groups scored by their top-2 sum, the best ``topk_group`` kept (the rest ``fill``-ed with -inf
+through ``set_rows``), top-k among them, weights from the unbiased scores, normalised (+ 1e-20)
+and scaled; its shared experts and dense first layers are the dense MLP. Others keep the eager
+path and ``support()`` and ``summary()['cpu_graph_reason']`` say why (GPT-OSS from an HF MXFP4
+checkpoint: gate and up alternate in one tensor).
 Experts: read from the host's bytes (``resident``, and ``baseline='cpu'``, whose every expert
 is computed from them); a run with a CPU slot cache keeps the per-layer path; a resident run
 over the RAM tier (``host_memory='tiered'``) reads the tier's rows, in segments (runtime/ggmltier.py).
@@ -64,9 +77,9 @@ from .cpudense import GgmlEmbedding, GgmlLinear
 from .threads import ggml_threads
 
 # the families whose quantized experts reach ggml here (the GGUF files loaders/gguf.py reads)
-FAMILIES = {"qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "olmoe"}
-# why a family is not among them (DeepSeek's deepseek2 files load, and decode on the per-layer path)
-_NOT_BUILT = {"deepseek_v3": "its multi-head latent attention (MLA) is not built in the graph yet"}
+FAMILIES = {"qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "olmoe", "deepseek_v3"}
+# why a family is not among them
+_NOT_BUILT: dict[str, str] = {}
 # RoPE types whose frequencies change with the sequence length (``dynamic_rope_update``)
 _DYNAMIC_ROPE = {"dynamic", "longrope"}
 _MIN_CAPACITY = 256          # KV rows first allocated (grown by doubling)
@@ -144,8 +157,15 @@ class _Spec:
         self.hidden = cfg.hidden_size
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
-        if self.n_rot != self.head_dim:
+        self.mla = _mla_dims(cfg, self.n_rot) if self.family == "deepseek_v3" else None
+        if self.mla is None and self.n_rot != self.head_dim:
             raise Unsupported("partial rotary embedding")
+        # the KV cache as transformers' DynamicCache holds it: heads, and the widths of a row of
+        # keys and of values (MLA: one "head", the latent and the rotary key, in one buffer)
+        if self.mla is None:
+            self.cache_heads, self.kv_widths = self.kv_heads, (self.kv_heads * self.head_dim,) * 2
+        else:
+            self.cache_heads, self.kv_widths = 1, (self.mla["latent"], self.mla["rope"])
         if getattr(cfg, "clip_qkv", None) is not None:
             raise Unsupported("clip_qkv")
         embed = model.get_input_embeddings()
@@ -182,13 +202,17 @@ class _Spec:
             self.freq_factors = _freq_factors(inv, self.rope_base, self.n_rot)     # [D / 2]
 
     def _layer(self, i: int, layer: torch.nn.Module) -> dict:
-        attn = layer.self_attn
-        if abs(float(getattr(attn, "scaling", self.head_dim ** -0.5)) - self.head_dim ** -0.5) > 1e-12:
-            raise Unsupported("attention scaling other than 1/sqrt(head_dim)")
         spec = {"in_norm": (_vector(layer.input_layernorm.weight), _eps(layer.input_layernorm)),
                 "post_norm": (_vector(layer.post_attention_layernorm.weight), _eps(layer.post_attention_layernorm)),
-                "q": _linear(attn.q_proj), "k": _linear(attn.k_proj), "v": _linear(attn.v_proj),
-                "o": _linear(attn.o_proj), "window": self.windows[i]}
+                "window": self.windows[i]}
+        spec |= self._mla_attention(i, layer.self_attn) if self.mla else self._attention(layer.self_attn)
+        return self._ffn(i, layer.mlp, spec)
+
+    def _attention(self, attn: torch.nn.Module) -> dict:
+        if abs(float(getattr(attn, "scaling", self.head_dim ** -0.5)) - self.head_dim ** -0.5) > 1e-12:
+            raise Unsupported("attention scaling other than 1/sqrt(head_dim)")
+        spec = {"q": _linear(attn.q_proj), "k": _linear(attn.k_proj), "v": _linear(attn.v_proj),
+                "o": _linear(attn.o_proj)}
         sinks = getattr(attn, "sinks", None)                                     # GPT-OSS: [N]
         if sinks is not None:
             spec["sinks"] = _vector(sinks.data)
@@ -202,7 +226,38 @@ class _Spec:
             spec[name] = (_vector(norm.weight), _eps(norm), norm.weight.numel() != self.head_dim)
         if "q_norm" in spec and spec["q_norm"][2] != spec.get("k_norm", spec["q_norm"])[2]:
             raise Unsupported("q_norm and k_norm over different spans (one head, all heads)")
-        mlp = layer.mlp
+        return spec
+
+    def _mla_attention(self, i: int, attn: torch.nn.Module) -> dict:
+        """DeepSeek's multi-head latent attention as the graph computes it (llama.cpp's absorbed
+        form): q's no-RoPE part is taken into the latent space by kv_b_proj's k rows, and the
+        attention's output (a latent a head) out of it by its v rows; q.k and the output are
+        transformers' (which expands the cached latent into every head's k and v) up to float
+        rounding. kv_b_proj's k rows are copied once, transposed (mul_mat reads its weights
+        along their rows): heads x latent x nope float32 more a layer."""
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+        if type(attn).forward is not ds.DeepseekV3Attention.forward:
+            raise Unsupported(f"layer {i}: {type(attn).__name__}: an attention other than DeepSeek-V3's")
+        m, N = self.mla, self.heads
+        kv_b = attn.kv_b_proj
+        if not isinstance(kv_b, torch.nn.Linear) or kv_b.weight.dtype != torch.float32 or kv_b.bias is not None:
+            raise Unsupported(f"layer {i}: kv_b_proj not a float32 Linear without bias (the graph splits its rows)")
+        w = kv_b.weight.detach()                                     # [N * (P + Dv), L]
+        if tuple(w.shape) != (N * (m["nope"] + m["v"]), m["latent"]) or not w.is_contiguous():
+            raise Unsupported(f"layer {i}: kv_b_proj of shape {tuple(w.shape)}")
+        spec = {"kv_a": _linear(attn.kv_a_proj_with_mqa), "kv_a_norm": (_vector(attn.kv_a_layernorm.weight),
+                _eps(attn.kv_a_layernorm)), "o": _linear(attn.o_proj), "scale": float(attn.scaling),
+                # [N, L, P]: a head's k rows transposed; the v rows are read in place
+                "k_b": w.view(N, -1, m["latent"])[:, :m["nope"]].transpose(1, 2).contiguous(), "kv_b": w}
+        if attn.q_lora_rank is None:
+            spec["q"] = _linear(attn.q_proj)
+        else:
+            spec |= {"q_a": _linear(attn.q_a_proj), "q_b": _linear(attn.q_b_proj),
+                     "q_a_norm": (_vector(attn.q_a_layernorm.weight), _eps(attn.q_a_layernorm))}
+        return spec
+
+    def _ffn(self, i: int, mlp: torch.nn.Module, spec: dict) -> dict:
         experts = getattr(mlp, "experts", None)
         if experts is None:  # a dense layer (Qwen's mlp_only_layers, decoder_sparse_step)
             spec["mlp"] = self._dense_mlp(mlp)
@@ -221,6 +276,10 @@ class _Spec:
         if not kernel._silu_gate(experts):
             raise Unsupported(f"layer {i}: an expert gate other than SiLU(gate) * up")
         router = mlp.gate
+        if self.family == "deepseek_v3":
+            spec["moe"] = _deepseek_router(i, mlp) | {"experts": experts_, "index": index}
+            spec["shared"], spec["shared_gate"] = self._dense_mlp(mlp.shared_experts), None
+            return spec
         spec["moe"] = {"router": _vector(router.weight), "top_k": router.top_k, "norm": _renormalises(i, router),
                        "experts": experts_, "index": index}
         if getattr(mlp, "shared_expert", None) is not None:
@@ -249,6 +308,36 @@ def _renormalises(i: int, router: torch.nn.Module) -> bool:
     if not hasattr(router, "norm_topk_prob"):
         raise Unsupported(f"layer {i}: {type(router).__name__}: a router whose top-k weights the graph cannot read")
     return bool(router.norm_topk_prob)
+
+
+def _mla_dims(cfg, n_rot: int) -> dict:
+    """DeepSeek's MLA sizes: heads' no-RoPE (nope) and RoPE dims of q and k, v's dims, the latent;
+    whether the RoPE dims come in adjacent pairs (``rope_interleave``: transformers de-interleaves
+    them as it rotates, and caches them so)."""
+    dims = {"nope": cfg.qk_nope_head_dim, "rope": cfg.qk_rope_head_dim, "v": cfg.v_head_dim,
+            "latent": cfg.kv_lora_rank, "interleave": bool(getattr(cfg, "rope_interleave", False))}
+    if n_rot != dims["rope"]:
+        raise Unsupported(f"a rotary embedding over {n_rot} dims, not the {dims['rope']} RoPE dims of MLA")
+    return dims
+
+
+def _deepseek_router(i: int, mlp: torch.nn.Module) -> dict:
+    """DeepSeek-V3's routing, checked against transformers' code: sigmoid scores, the selection
+    bias added for the choice only, groups (each scored by the sum of its top 2) of which the
+    best ``topk_group`` are kept, the top-k experts among them; weights from the unbiased
+    scores, divided by their sum (+ 1e-20) where ``norm_topk_prob``, times the scaling factor."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    router = mlp.gate
+    if type(mlp).forward is not ds.DeepseekV3MoE.forward or type(router).forward is not ds.DeepseekV3TopkRouter.forward:
+        raise Unsupported(f"layer {i}: a MoE block or router other than DeepSeek-V3's")
+    E, G, kept = router.num_experts, router.num_group, router.topk_group
+    if E % G or (G > 1 and E // G < 2) or router.top_k > kept * (E // G):
+        raise Unsupported(f"layer {i}: {E} experts in {G} groups, {kept} kept, top-{router.top_k}: "
+                          "groups the router cannot score or choose from")
+    return {"router": _vector(router.weight), "top_k": router.top_k, "norm": bool(router.norm_topk_prob),
+            "sigmoid": {"bias": _vector(router.e_score_correction_bias), "groups": G, "kept": kept,
+                        "scale": float(router.routed_scaling_factor)}}
 
 
 def _windows(cfg) -> list[int | None]:
@@ -374,9 +463,23 @@ class _StepGraph:
         return self.g.mul(self.g.rms_norm(x, eps), self._vec(w))
 
     def _layer(self, L: dict, x, k_buf: torch.Tensor, v_buf: torch.Tensor):
+        g = self.g
+        h = self._norm(x, L["in_norm"])                                          # [H, T]
+        o = self._mla(L, h, k_buf) if "kv_a" in L else self._attention(L, h, k_buf, v_buf)
+        x = g.add(o, x)
+        h = self._norm(x, L["post_norm"])
+        y = self._moe(L["moe"], h) if "moe" in L else self._dense(L["mlp"], h)
+        if "shared" in L:
+            sh = self._dense(L["shared"], h)                                     # [H, T]
+            if L["shared_gate"] is not None:
+                sh = g.mul(sh, g.sigmoid(self._mm(L["shared_gate"], h)))          # gate [1, T]
+            y = g.add(y, sh)
+        return g.add(y, x)
+
+    def _attention(self, L: dict, h, k_buf: torch.Tensor, v_buf: torch.Tensor):
+        """Multi-head (grouped-query) attention's output [H, T]; the KV rows written."""
         g, s, T, C = self.g, self.spec, self.tokens, k_buf.shape[0]   # C: capacity, or the ring
         D, N, M = s.head_dim, s.heads, s.kv_heads
-        h = self._norm(x, L["in_norm"])                                          # [H, T]
         q, k, v = self._mm(L["q"], h), self._mm(L["k"], h), self._mm(L["v"], h)  # [N*D | M*D, T]
         whole = "q_norm" in L and L["q_norm"][2]
         if whole:                                                                # OLMoE: all heads
@@ -398,16 +501,54 @@ class _StepGraph:
         mask = self.mask if L["window"] is None else self.swa
         sinks = self._vec(L["sinks"]) if "sinks" in L else None
         a = g.attention(qp, kv_k, kv_v, mask, D ** -0.5, sinks)                 # [D, N, T]
-        o = self._mm(L["o"], g.reshape_2d(a, D * N, T))                          # [H, T]
-        x = g.add(o, x)
-        h = self._norm(x, L["post_norm"])
-        y = self._moe(L["moe"], h) if "moe" in L else self._dense(L["mlp"], h)
-        if "shared" in L:
-            sh = self._dense(L["shared"], h)                                     # [H, T]
-            if L["shared_gate"] is not None:
-                sh = g.mul(sh, g.sigmoid(self._mm(L["shared_gate"], h)))          # gate [1, T]
-            y = g.add(y, sh)
-        return g.add(y, x)
+        return self._mm(L["o"], g.reshape_2d(a, D * N, T))                       # [H, T]
+
+    def _mla(self, L: dict, h, buf: torch.Tensor):
+        """DeepSeek's multi-head latent attention's output [H, T] (llama.cpp's absorbed form,
+        ``_Spec._mla_attention``); a cache row is the normed latent, then the rotated k_pe (what
+        transformers caches as keys and values), one buffer ``buf`` [C, L + R] for both."""
+        # T tokens, C cache rows, N heads, P nope dims, R rope dims, Dv v dims, Lc latent, H hidden
+        g, s, T, C = self.g, self.spec, self.tokens, buf.shape[0]
+        m, N = s.mla, s.heads
+        P, R, Dv, Lc = m["nope"], m["rope"], m["v"], m["latent"]
+        if "q" in L:
+            q = self._mm(L["q"], h)                                              # [N*(P+R), T]
+        else:
+            q = self._mm(L["q_b"], self._norm(self._mm(L["q_a"], h), L["q_a_norm"]))
+        q = g.reshape_3d(q, P + R, N, T)
+        kv = self._mm(L["kv_a"], h)                                              # [Lc+R, T]
+        c = self._norm(g.view_2d(kv, Lc, T, gg.nb(kv, 1), 0), L["kv_a_norm"])   # [Lc, T]
+        k_pe = self._rope_pairs(g.view_3d(kv, R, 1, T, gg.nb(kv, 1), gg.nb(kv, 1), Lc * 4))        # [R, 1, T]
+        q_pe = self._rope_pairs(g.view_3d(q, R, N, T, gg.nb(q, 1), gg.nb(q, 2), P * 4))            # [R, N, T]
+        row = 4 * (Lc + R)
+        cache = g.leaf(GGML_TYPE_F32, (Lc + R, C), buf.data_ptr())              # [Lc+R, C]
+        g.expand(g.set_rows(cache, g.concat(c, g.reshape_2d(k_pe, R, T), 0), self.rows))
+        k = g.view_3d(cache, Lc + R, C, 1, row, row * C, 0)                      # [Lc+R, C, 1]
+        v = g.view_3d(cache, Lc, C, 1, row, row * C, 0)                          # [Lc, C, 1]
+        # q's nope part into the latent: per head, k_b [P, Lc] (transposed) times q_nope [P]
+        q_nope = g.view_4d(q, P, 1, N, T, gg.nb(q, 1), gg.nb(q, 1), gg.nb(q, 2), 0)                # [P, 1, N, T]
+        k_b = L["k_b"]
+        q_lat = g.mul_mat(g.leaf(GGML_TYPE_F32, (P, Lc, N), k_b.data_ptr()), q_nope)              # [Lc, 1, N, T]
+        qq = g.concat(g.reshape_3d(q_lat, Lc, N, T), q_pe, 0)                   # [Lc+R, N, T]
+        a = g.attention(g.permute(qq, 0, 2, 1, 3), k, v, self.mask, L["scale"])  # [Lc, N, T]
+        # out of the latent: per head, kv_b's v rows [Dv, Lc], read in place
+        kv_b = L["kv_b"]
+        v_b = g.leaf(GGML_TYPE_F32, (Lc, Dv, N), kv_b.data_ptr() + P * Lc * 4, stride=(P + Dv) * Lc * 4)
+        a = g.mul_mat(v_b, g.reshape_4d(a, Lc, 1, N, T))                         # [Dv, 1, N, T]
+        return self._mm(L["o"], g.reshape_2d(a, Dv * N, T))                      # [H, T]
+
+    def _rope_pairs(self, x):
+        """MLA's RoPE dims ``x`` [R, n, T] rotated, in transformers' layout: with
+        ``rope_interleave`` adjacent pairs (ggml's normal mode), the result de-interleaved
+        (the pairs' first values, then their second: ``apply_rotary_pos_emb_interleave``)."""
+        g, s = self.g, self.spec
+        R, n, T = gg.ne(x)[:3]
+        mode = gg.ROPE_NORMAL if s.mla["interleave"] else gg.ROPE_NEOX
+        y = g.rope(x, self.pos, R, mode, s.rope_base, 1.0, self.freq_factors, s.attn_factor)       # [R, n, T]
+        if not s.mla["interleave"]:
+            return y
+        y = g.cont(g.permute(g.reshape_4d(y, 2, R // 2, n, T), 1, 0, 2, 3))    # [R/2, 2, n, T]
+        return g.reshape_3d(y, R, n, T)
 
     def _dense(self, mlp: dict, h):
         g = self.g
@@ -427,14 +568,42 @@ class _StepGraph:
             w = g.reshape_3d(g.soft_max(g.reshape_2d(w, K, T)), 1, K, T)
             self.ids.append(sel)
             return self._oai_experts(moe, h, sel, w)
-        probs = g.soft_max(logits)
-        sel = g.argsort_top_k(probs, K)                                           # [K, T] int32
+        if "sigmoid" in moe:
+            probs, sel = self._group_choice(moe, logits)                         # [E, T], [K, T]
+        else:
+            probs = g.soft_max(logits)
+            sel = g.argsort_top_k(probs, K)                                       # [K, T] int32
         self.ids.append(sel)
         w = g.get_rows(g.reshape_3d(probs, 1, E, T), sel)                        # [1, K, T]
         if moe["norm"]:
             w2 = g.reshape_2d(w, K, T)
-            w = g.reshape_3d(g.div(w2, g.sum_rows(w2)), 1, K, T)
+            total = g.sum_rows(w2)                                                # [1, T]
+            if "sigmoid" in moe:                                                  # DeepSeek's + 1e-20
+                total = g.scale_bias(total, 1.0, 1e-20)
+            w = g.reshape_3d(g.div(w2, total), 1, K, T)
+        if "sigmoid" in moe and moe["sigmoid"]["scale"] != 1.0:
+            w = g.scale(w, moe["sigmoid"]["scale"])
         return self._moe_experts(moe, h, sel, w)
+
+    def _group_choice(self, moe: dict, logits):
+        """DeepSeek-V3's choice (``_deepseek_router``; llama.cpp's ``build_moe_ffn``): sigmoid
+        scores [E, T] and the top-k [K, T] of the biased scores within the kept groups."""
+        g, T = self.g, self.tokens
+        E, K, sig = gg.ne(logits)[0], moe["top_k"], moe["sigmoid"]
+        G, kept = sig["groups"], sig["kept"]
+        scores = g.sigmoid(logits)                                                # [E, T]
+        choice = g.add(scores, self._vec(sig["bias"]))                           # [E, T]
+        if G > 1:
+            per = E // G
+            groups = g.reshape_3d(choice, per, G, T)                             # [E/G, G, T]
+            top2 = g.argsort_top_k(groups, 2)                                     # [2, G, T]
+            best = g.get_rows(g.reshape_4d(groups, 1, per, G, T), top2)          # [1, 2, G, T]
+            score = g.reshape_2d(g.sum_rows(g.reshape_3d(best, 2, G, T)), G, T)  # [G, T]
+            keep = g.argsort_top_k(score, kept)                                   # [kept, T]
+            rows = g.get_rows(groups, keep)                                       # [E/G, kept, T]
+            masked = g.set_rows(g.fill(groups, float("-inf")), rows, keep)       # the others -inf
+            choice = g.reshape_2d(masked, E, T)
+        return scores, g.argsort_top_k(choice, K)
 
     def _moe_experts(self, moe: dict, h, sel, w):
         """The routed experts' sum [H, T] for ids ``sel`` [K, T] and weights ``w`` [1, K, T]: on
@@ -533,6 +702,17 @@ def ring_rows(spec: _Spec) -> int:
 def full_rows(spec: _Spec, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """Rows of the full-attention layers' buffers (the cache's capacity; 0 before any)."""
     return next((k.shape[0] for (k, _), w in zip(kv, spec.windows) if w is None), 0)
+
+
+def _kv_buffers(spec: _Spec, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V rows [rows, width] float32: two buffers; MLA one [rows, latent + rope]
+    whose columns are the keys (the latent) and the values (k_pe), as llama.cpp holds its MLA
+    cache: the graph reads both, and the latent alone as V, from the one row."""
+    wk, wv = spec.kv_widths
+    if spec.mla is None:
+        return torch.empty(rows, wk), torch.empty(rows, wv)
+    buf = torch.empty(rows, wk + wv)
+    return buf[:, :wk], buf[:, wk:]
 
 
 def _graph_layer_class(base: type) -> type:
@@ -637,12 +817,14 @@ class GraphDecoder:
         """Layer ``layer``'s keys (0) or values (1) as transformers holds them: [1, M, m, D], the
         last m of the n rows (m = n, or at most window - 1 on a sliding layer: rows of its ring,
         copied where they wrap around it)."""
-        M, D, n, window = self.spec.kv_heads, self.spec.head_dim, self.length, self.spec.windows[layer]
-        buf = self.kv[layer][which]                                                # [C or R, M*D]
+        M, n, window = self.spec.cache_heads, self.length, self.spec.windows[layer]
+        buf = self.kv[layer][which]                              # [C or R, M*D] (MLA: columns of one buffer)
+        D = buf.shape[1] // M
         m, first = (n, 0) if window is None else (min(n, window - 1), (n - min(n, window - 1)) % buf.shape[0])
         if first + m > buf.shape[0]:                                               # wraps: in order
             buf, first = buf.index_select(0, torch.arange(n - m, n) % buf.shape[0]), 0
-        return buf.as_strided((1, M, m, D), (m * M * D, D, M * D, 1), first * M * D)
+        row = buf.stride(0)
+        return buf.as_strided((1, M, m, D), (m * M * D, D, row, 1), buf.storage_offset() + first * row)
 
     def __call__(self, *args, **kwargs):
         why = self._refusal(args, kwargs)
@@ -728,7 +910,6 @@ class GraphDecoder:
             return
         if not in_sync:
             self._detach_owner()
-        M, D = self.spec.kv_heads, self.spec.head_dim
         rows = [(layer.keys, layer.values) for layer in past.layers]            # [1, M, n, D] each
         if n + T > self.capacity:
             cap = max(_MIN_CAPACITY, self.capacity)
@@ -736,15 +917,14 @@ class GraphDecoder:
                 cap *= 2
             # empty: rows past the cache's length are masked, and ggml skips masked rows
             ring = ring_rows(self.spec)
-            self.kv = [(torch.empty(c, M * D), torch.empty(c, M * D))
-                       for c in (cap if w is None else ring for w in self.spec.windows)]
+            self.kv = [_kv_buffers(self.spec, c) for c in (cap if w is None else ring for w in self.spec.windows)]
             self._capacity = cap
             self.graphs.clear()
         for (keys, values), (kb, vb) in zip(rows, self.kv) if n else ():         # -> positions n - m .. n
             m = keys.shape[2]     # n, or the last window - 1 on a sliding layer (those before: masked)
             at = torch.arange(n - m, n) % kb.shape[0]                            # rows (a ring's wrap)
-            kb.index_copy_(0, at, keys[0].transpose(0, 1).reshape(m, M * D))
-            vb.index_copy_(0, at, values[0].transpose(0, 1).reshape(m, M * D))
+            kb.index_copy_(0, at, keys[0].transpose(0, 1).reshape(m, kb.shape[1]))
+            vb.index_copy_(0, at, values[0].transpose(0, 1).reshape(m, vb.shape[1]))
         del rows
         for index, layer in enumerate(past.layers):
             for name in ("keys", "values", "_keys", "_values", "cumulative_length", "_cumulative_length"):
@@ -803,7 +983,8 @@ class GraphDecoder:
 
 def _weights(spec: _Spec):
     """(ggml type, ne, address, stride or None) of every weight a graph multiplies with."""
-    for lin in (spec.lm_head, *(L[n] for L in spec.layers for n in ("q", "k", "v", "o", "shared_gate") if L.get(n))):
+    names = ("q", "k", "v", "o", "shared_gate", "q_a", "q_b", "kv_a")   # the last three: DeepSeek's MLA
+    for lin in (spec.lm_head, *(L[n] for L in spec.layers for n in names if L.get(n))):
         yield lin[0], lin[1], lin[2], None
     for L in spec.layers:
         for mlp in (L.get("mlp"), L.get("shared")):

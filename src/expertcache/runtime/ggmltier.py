@@ -64,7 +64,7 @@ from .directio import ReadCounters, ReadPool
 from .ggmlgraph import _CHUNK, GraphDecoder, Unsupported, _Spec, _StepGraph
 from .ggmlgraph import attach as _attach
 
-_TIER_FAMILIES = {"qwen3_moe", "qwen2_moe"}  # the experts built here: SiLU(gate) * up, no biases
+_TIER_FAMILIES = {"qwen3_moe", "qwen2_moe", "deepseek_v3"}  # the experts built here: SiLU(gate) * up, no biases
 # The tier's rows repacked (``_repack_rows``): off until a fault is found. On the bench model
 # (benchmarks/bench_tiers.py), sampled decode over a second sequence gave NaN logits within
 # 1-30 tokens with repacked rows (never with the file's bytes), once "munmap_chunk(): invalid
