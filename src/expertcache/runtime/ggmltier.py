@@ -280,6 +280,7 @@ class _TierStepGraph(_StepGraph):
             self._point(i, ids, pending)
             self._run(seg)
             return
+        store.settle(pending)  # the readers on a core before the graph's threads take both
         if hits:  # the RAM hits while the reads run (their rows are not written by them)
             self._point(i, ids, pending, stand_in=hits[0])
             self._run(seg)
