@@ -271,24 +271,37 @@ class _TierStepGraph(_StepGraph):
         (token, expert) pair on its own, so every pair's output is the one-pass output bit for bit."""
         store = self.spec.store
         ids, pending = self._start(i, phase)
-        ranks = [k for k, e in enumerate(ids[0].tolist()) if e in pending.reading]
-        hits = [pending.rows[e] for e in ids[0].tolist() if e not in pending.reading]
-        # nothing to overlap, a compact copy (read first), or repacked rows: the stand-in row would
-        # repeat within the token, past the repacked kernel's row table (REPACK_ROWS)
-        if pending.compact is not None or not ranks or store.repack is not None:
+        experts = ids[0].tolist()                                                   # [K] expert ids
+        ranks = [k for k, e in enumerate(experts) if e in pending.reading]
+        if pending.compact is not None:  # a compact copy: read first, the rows point into it
             store.finish(pending)
             self._point(i, ids, pending)
             self._run(seg)
             return
+        # one token, rows of the pool: rid [1, K] filled from a list (numpy's lookup-table fill,
+        # ``_point``, cost about 50 us a call, up to twice a layer)
+        rid = self._rid_views[i]
+        real = [pending.rows[e] for e in experts]                                   # [K] rows
+        for p, leaf in self._leaves[i].items():
+            leaf.contents.data = store._np[p].ctypes.data
+        self._held = None
+        # nothing to overlap, or repacked rows: the stand-in row would repeat within the token,
+        # past the repacked kernel's row table (REPACK_ROWS)
+        if not ranks or store.repack is not None:
+            store.finish(pending)
+            rid[0] = real
+            self._run(seg)
+            return
+        hits = [r for k, r in enumerate(real) if k not in ranks]
         store.settle(pending)  # the readers on a core before the graph's threads take both
         if hits:  # the RAM hits while the reads run (their rows are not written by them)
-            self._point(i, ids, pending, stand_in=hits[0])
+            rid[0] = [hits[0] if k in ranks else r for k, r in enumerate(real)]
             self._run(seg)
         store.finish(pending)
-        self._point(i, ids, pending)
+        rid[0] = real
         row, rank = self._one_views[i]
         for k in ranks:
-            row[0], rank[0] = self._rid_views[i][0, k], k
+            row[0], rank[0] = real[k], k
             self._run(seg + 1)
         self.late_pairs += len(ranks)
 
