@@ -79,6 +79,11 @@ _TIER_FAMILIES = {"qwen3_moe", "qwen2_moe"}  # the experts built here: SiLU(gate
 # buffer, so repacked rows skip segment A. NaN also came with segment A off: not the only fault.
 REPACK_ROWS = False
 
+# ggml's poll for the segments' thread pool: workers spin this long (ggml's default) for the next
+# segment instead of sleeping. Tier 25%, bench model, one process: 21.4-22.1 ms a decode token
+# against 22.8-23.6 with poll 0 (docs/tiers.md).
+SEGMENT_POLL = 50
+
 _declared_for = None
 
 
@@ -202,11 +207,14 @@ class _TierStepGraph(_StepGraph):
         size = sum(b.ggml_graph_overhead_custom(max(hi - lo, 1), False) for lo, hi in spans) + 4096
         self._ctx = b.ggml_init(_InitParams(size, None, True))
         self._segs = []
+        # segments run back to back with a little Python between them (about 25 calls a decode
+        # token): a pool of their own whose workers poll between graphs (ggml._threadpool)
+        pool = ggml._threadpool(n_threads, SEGMENT_POLL)
         for lo, hi in spans:
             seg = b.ggml_new_graph_custom(self._ctx, max(hi - lo, 1), False)
             for n in range(lo, hi):
                 b.ggml_graph_add_node(seg, b.ggml_graph_node(graph, n))
-            self._segs.append((seg, c.ggml_graph_plan(seg, n_threads, self.g._pool)))
+            self._segs.append((seg, c.ggml_graph_plan(seg, n_threads, pool)))
         self._seg_work = ctypes.create_string_buffer(max(max(p.work_size for _, p in self._segs), 1))
         for _, plan in self._segs:
             plan.work_data = ctypes.addressof(self._seg_work)
