@@ -171,6 +171,38 @@ def test_unaligned_ranges_read_exactly(tmp_path, direct):
         assert "posix_fadvise DONTNEED" in f.mode_reason
 
 
+def test_settle_returns_once_each_reader_holds_a_read(tmp_path):
+    """``ReadPool.settle`` waits for the first reads of a batch (one a reader thread) to begin,
+    not for them to end, and every read still lands exactly."""
+    import threading
+
+    path, data = _data_file(tmp_path)
+    f = DirectFile(path, len(data))
+    pool = ReadPool(2)
+    gate, begun = threading.Event(), []
+
+    class Held:  # a file whose reads begin, then wait for the gate
+        def read_into(self, *args):
+            begun.append(args[1])
+            gate.wait(5)
+            return f.read_into(*args)
+    try:
+        jobs = [(Held(), np.empty(100, np.uint8), off, f"range {off}") for off in (0, 3000, 9000)]
+        started = threading.Semaphore(0)
+        futures = pool.submit(jobs, started)
+        pool.settle(started, len(jobs), timeout=5)
+        assert sorted(begun) == [0, 3000] and not any(fut.done() for fut in futures)  # 2 readers, held
+        gate.set()
+        got = ReadPool.collect(futures, 0.0)
+        assert got.reads == 3
+        for _, dst, off, _ in jobs:
+            assert np.array_equal(dst, data[off:off + 100])
+    finally:
+        gate.set()
+        pool.close()
+        f.close()
+
+
 def test_o_direct_refused_falls_back_and_says_so(tmp_path, monkeypatch):
     path, data = _data_file(tmp_path)
     real_open = os.open

@@ -141,16 +141,19 @@ def has_kernel(ggml_type: int) -> bool:
 
 
 @lru_cache(maxsize=8)
-def _threadpool(n_threads: int) -> int | None:
-    """One persistent pool per thread count (a per-call pool costs a thread start per worker)."""
+def _threadpool(n_threads: int, poll: int = 0) -> int | None:
+    """One persistent pool per thread count (a per-call pool costs a thread start per worker).
+
+    ``poll`` 0: workers sleep as soon as a graph is done instead of spinning (ggml's default
+    50): between graphs torch runs, and on 2 cores a spinning worker starves it (resident
+    decode, 2 threads, the lm_head on a pool of 2: 44-414 ms per token with poll 0, 562-624
+    with 50). A caller running graphs back to back with little Python between them (the RAM
+    tier's segments, runtime/ggmltier.py) asks for a pool of its own that polls."""
     if n_threads <= 1:
         return None
     base, cpu = _LIBS
     params = base.ggml_threadpool_params_default(n_threads)
-    # workers sleep as soon as a graph is done instead of spinning (ggml's default poll 50):
-    # between graphs torch runs, and on 2 cores a spinning worker starves it (resident decode,
-    # 2 threads, the lm_head on a pool of 2: 44-414 ms per token with poll 0, 562-624 with 50)
-    params.poll = 0
+    params.poll = poll
     return cpu.ggml_threadpool_new(ctypes.byref(params))
 
 

@@ -154,10 +154,24 @@ class ReadPool:
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="expertcache-read")
 
-    def submit(self, jobs: list[tuple]):
+    def submit(self, jobs: list[tuple], started: threading.Semaphore | None = None):
         """Start ``(file, dst, offset, what[, put])`` reads (``DirectFile.read_into``); returns
-        their futures (``ReadCounters``)."""
-        return [self._pool.submit(f.read_into, dst, off, what, *put) for f, dst, off, what, *put in jobs]
+        their futures (``ReadCounters``). ``started``: released by each read as a reader thread
+        takes it up (``settle``)."""
+        if started is None:
+            return [self._pool.submit(f.read_into, dst, off, what, *put) for f, dst, off, what, *put in jobs]
+        return [self._pool.submit(_begun, started, f.read_into, dst, off, what, *put)
+                for f, dst, off, what, *put in jobs]
+
+    def settle(self, started: threading.Semaphore, count: int, timeout: float = 0.01) -> None:
+        """Wait until the first ``count`` reads of a batch (at most one per reader thread) are on
+        their reader threads. Before a ggml graph takes both cores: its threads spin between
+        nodes, and a reader woken then waited for a core about 1.3 ms (the median, 2-core
+        sandbox; 0.2 ms once the caller gave them the cores first), most of a MoE layer's compute.
+        ``timeout`` per read: a busy pool never stalls the caller long."""
+        for _ in range(min(count, self.threads)):
+            if not started.acquire(timeout=timeout):
+                return
 
     def read(self, jobs: list[tuple[DirectFile, np.ndarray, int, str]]) -> ReadCounters:
         """Run the reads, wait for all of them; the sum of their counters, ``seconds`` the wall time."""
@@ -181,6 +195,11 @@ class ReadPool:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _begun(started: threading.Semaphore, read, *args):
+    started.release()
+    return read(*args)
 
 
 def read_bandwidth(path: str | Path, block: int = 1 << 19, threads: int = READERS,

@@ -20,6 +20,9 @@ A decode step's experts take two more segments around the reads (``tiered._overl
 way): A computes every pair while the step's reads run, the pairs of experts being read
 pointed at a row in RAM; B computes one pair and ``set_rows`` it into its place, run once per
 expert read once it is in its row; the weighted sum follows in the resident graph's order.
+Before A the step's first reads are settled on their reader threads (``ReadPool.settle``): A's
+ggml threads spin between nodes on every core, and a reader woken after them waited for a core
+most of A's time (docs/tiers.md, "Where a decode token's time goes").
 B runs more than once over one allocation, so the MoE input it reads (``h``) is marked an
 output: ggml's allocator would otherwise give its memory to B's later nodes.
 
@@ -75,6 +78,11 @@ _TIER_FAMILIES = {"qwen3_moe", "qwen2_moe", "deepseek_v3"}  # the experts built 
 # (repack.cpp; the plain kernel's is [n_as][K * tokens]): a repeated row writes past the work
 # buffer, so repacked rows skip segment A. NaN also came with segment A off: not the only fault.
 REPACK_ROWS = False
+
+# ggml's poll for the segments' thread pool: workers spin this long (ggml's default) for the next
+# segment instead of sleeping. Tier 25%, bench model, one process: 21.4-22.1 ms a decode token
+# against 22.8-23.6 with poll 0 (docs/tiers.md).
+SEGMENT_POLL = 50
 
 _declared_for = None
 
@@ -199,11 +207,14 @@ class _TierStepGraph(_StepGraph):
         size = sum(b.ggml_graph_overhead_custom(max(hi - lo, 1), False) for lo, hi in spans) + 4096
         self._ctx = b.ggml_init(_InitParams(size, None, True))
         self._segs = []
+        # segments run back to back with a little Python between them (about 25 calls a decode
+        # token): a pool of their own whose workers poll between graphs (ggml._threadpool)
+        pool = ggml._threadpool(n_threads, SEGMENT_POLL)
         for lo, hi in spans:
             seg = b.ggml_new_graph_custom(self._ctx, max(hi - lo, 1), False)
             for n in range(lo, hi):
                 b.ggml_graph_add_node(seg, b.ggml_graph_node(graph, n))
-            self._segs.append((seg, c.ggml_graph_plan(seg, n_threads, self.g._pool)))
+            self._segs.append((seg, c.ggml_graph_plan(seg, n_threads, pool)))
         self._seg_work = ctypes.create_string_buffer(max(max(p.work_size for _, p in self._segs), 1))
         for _, plan in self._segs:
             plan.work_data = ctypes.addressof(self._seg_work)
@@ -271,23 +282,37 @@ class _TierStepGraph(_StepGraph):
         (token, expert) pair on its own, so every pair's output is the one-pass output bit for bit."""
         store = self.spec.store
         ids, pending = self._start(i, phase)
-        ranks = [k for k, e in enumerate(ids[0].tolist()) if e in pending.reading]
-        hits = [pending.rows[e] for e in ids[0].tolist() if e not in pending.reading]
-        # nothing to overlap, a compact copy (read first), or repacked rows: the stand-in row would
-        # repeat within the token, past the repacked kernel's row table (REPACK_ROWS)
-        if pending.compact is not None or not ranks or store.repack is not None:
+        experts = ids[0].tolist()                                                   # [K] expert ids
+        ranks = [k for k, e in enumerate(experts) if e in pending.reading]
+        if pending.compact is not None:  # a compact copy: read first, the rows point into it
             store.finish(pending)
             self._point(i, ids, pending)
             self._run(seg)
             return
+        # one token, rows of the pool: rid [1, K] filled from a list (numpy's lookup-table fill,
+        # ``_point``, cost about 50 us a call, up to twice a layer)
+        rid = self._rid_views[i]
+        real = [pending.rows[e] for e in experts]                                   # [K] rows
+        for p, leaf in self._leaves[i].items():
+            leaf.contents.data = store._np[p].ctypes.data
+        self._held = None
+        # nothing to overlap, or repacked rows: the stand-in row would repeat within the token,
+        # past the repacked kernel's row table (REPACK_ROWS)
+        if not ranks or store.repack is not None:
+            store.finish(pending)
+            rid[0] = real
+            self._run(seg)
+            return
+        hits = [r for k, r in enumerate(real) if k not in ranks]
+        store.settle(pending)  # the readers on a core before the graph's threads take both
         if hits:  # the RAM hits while the reads run (their rows are not written by them)
-            self._point(i, ids, pending, stand_in=hits[0])
+            rid[0] = [hits[0] if k in ranks else r for k, r in enumerate(real)]
             self._run(seg)
         store.finish(pending)
-        self._point(i, ids, pending)
+        rid[0] = real
         row, rank = self._one_views[i]
         for k in ranks:
-            row[0], rank[0] = self._rid_views[i][0, k], k
+            row[0], rank[0] = real[k], k
             self._run(seg + 1)
         self.late_pairs += len(ranks)
 

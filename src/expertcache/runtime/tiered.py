@@ -24,6 +24,7 @@ kernels, compact copies, read-ahead) reads them as repacked.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,6 +55,7 @@ class Pending:
     copies: dict[int, int] = field(default_factory=dict)  # compact row <- pool slot, once read
     futures: list = field(default_factory=list)
     t0: float = 0.0
+    started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))  # ReadPool.settle
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,14 @@ class TieredStore:
             for f in self.files.values():
                 f.check()
             pending.t0 = time.perf_counter()
-            pending.futures = self.reader.submit(jobs)
+            pending.futures = self.reader.submit(jobs, pending.started)
         return pending
+
+    def settle(self, pending: Pending) -> None:
+        """Return once ``pending``'s first reads are on the reader threads (``ReadPool.settle``):
+        called before computing beside them on every core."""
+        if pending.futures:
+            self.reader.settle(pending.started, len(pending.futures))
 
     def finish(self, pending: Pending) -> None:
         """Wait for ``pending``'s reads; count them (``read_seconds``: from their start, ``wait_seconds``:
