@@ -59,11 +59,15 @@ def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
     assert "read ahead" in model.expertcache.tier.summary_line()
 
 
-def test_deepseek_tier_graph_equals_the_resident_graph_and_the_eager_tier(tmp_path):
+@pytest.mark.parametrize("family,experts", [("deepseek_v3", "Q8_0"), ("mixtral", "Q8_0"), ("olmoe", "Q8_0"),
+                                            ("gpt_oss", "MXFP4")])
+def test_other_families_tier_graph_equals_the_resident_graph_and_the_eager_tier(tmp_path, family, experts):
     """DeepSeek-V3 (a dense first layer, then MoE layers with group-limited sigmoid routing and a
-    shared expert) over the RAM tier: the segments split after its routers, the experts read from
-    the tier's rows; logits bit for bit the resident graph's, tokens the per-layer tier's."""
-    path = write_gguf(tmp_path / "ds.gguf", "deepseek_v3", "Q8_0", layers=3)
+    shared expert), Mixtral (top-k renormalised) and OLMoE (q/k norms over all heads) over the RAM
+    tier: the segments split after their routers, the experts read from the tier's rows; logits
+    bit for bit the resident graph's, tokens the per-layer tier's. GPT-OSS (4 layers: sliding and
+    full in turn) adds expert biases, read by expert id while its weights are read by row id."""
+    path = write_gguf(tmp_path / f"{family}.gguf", family, experts, layers=4 if family == "gpt_oss" else 3)
     ref = expertcache.offload(path, device="cpu", baseline="resident", host_memory="copy",
                               cpu_repack="off").generate(PROMPT, **KW)
     eager = _tiered(path, cpu_graph="off").generate(PROMPT, **KW)

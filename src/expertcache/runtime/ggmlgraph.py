@@ -634,18 +634,23 @@ class _StepGraph:
 
     def _oai_experts(self, moe: dict, h, sel, w):
         """GPT-OSS's experts: biases added per pair's expert (``add_id``), the clamped SwiGLU."""
-        g, T, H = self.g, self.tokens, self.spec.hidden
-        hx = g.reshape_3d(h, H, 1, T)
         weights = [self._weight(t, (cols, rows, data.shape[0]), data.data_ptr(), data.stride(0))
                    for t, rows, cols, data in moe["experts"]]                    # gate, up, down
-        biases = [g.leaf(GGML_TYPE_F32, (rows, data.shape[0]), data.data_ptr(), stride=data.stride(0))
-                  for rows, data in moe["biases"]]                              # [rows, E] each
-        gate = g.add_id(g.mul_mat_id(weights[0], hx, sel), biases[0], sel)       # [I, K, T]
-        up = g.add_id(g.mul_mat_id(weights[1], hx, sel), biases[1], sel)
+        biases = [self.g.leaf(GGML_TYPE_F32, (n, data.shape[0]), data.data_ptr(), stride=data.stride(0))
+                  for n, data in moe["biases"]]                                 # [n, E] each
+        return self._sum_ranks(self.g.mul(self._oai_pairs(moe, weights, biases, h, sel), w))
+
+    def _oai_pairs(self, moe: dict, weights: list, biases: list, h, ids):
+        """Each GPT-OSS pair's output [H, K, T], unweighted: gate, up, down stacked [cols, rows, n]
+        and their biases [rows, n], read at ``ids`` [K, T] (expert ids here, the RAM tier's rows
+        in ggmltier.py)."""
+        g, T, H = self.g, self.tokens, self.spec.hidden
+        hx = g.reshape_3d(h, H, 1, T)
+        gate = g.add_id(g.mul_mat_id(weights[0], hx, ids), biases[0], ids)       # [I, K, T]
+        up = g.add_id(g.mul_mat_id(weights[1], hx, ids), biases[1], ids)
         alpha, limit = moe["swiglu_oai"]
         par = g.swiglu_oai(gate, up, alpha, limit)                                # [I, K, T]
-        ex = g.add_id(g.mul_mat_id(weights[2], par, sel), biases[2], sel)        # [H, K, T]
-        return self._sum_ranks(g.mul(ex, w))
+        return g.add_id(g.mul_mat_id(weights[2], par, ids), biases[2], ids)      # [H, K, T]
 
     def _sum_ranks(self, ex):
         """[H, K, T] -> [H, T]: the sum over ranks as one sum_rows of a [K, H, T] copy (llama.cpp

@@ -67,7 +67,8 @@ from .directio import ReadCounters, ReadPool
 from .ggmlgraph import _CHUNK, GraphDecoder, Unsupported, _Spec, _StepGraph
 from .ggmlgraph import attach as _attach
 
-_TIER_FAMILIES = {"qwen3_moe", "qwen2_moe", "deepseek_v3"}  # the experts built here: SiLU(gate) * up, no biases
+# the experts built here: SiLU(gate) * up, or GPT-OSS's with biases and the clamped SwiGLU
+_TIER_FAMILIES = {"qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "olmoe", "gpt_oss"}
 # The tier's rows repacked (``_repack_rows``): off until a fault is found. On the bench model
 # (benchmarks/bench_tiers.py), sampled decode over a second sequence gave NaN logits within
 # 1-30 tokens with repacked rows (never with the file's bytes), once "munmap_chunk(): invalid
@@ -126,6 +127,10 @@ class _TierSpec(_Spec):
                 kernel = cache.kernels[L["moe"]["index"]]
                 parts = (*kernel.first.parts, *kernel.down.parts)  # gate, up (or gate_up), down
                 L["moe"]["tier"] = [(kernel.part[p].fmt.ggml_type, *kernel.part[p].shape, p) for p in parts]
+                if "biases" in L["moe"]:  # GPT-OSS: rows of the tier too, not the host's [E, n]
+                    biases = (*kernel.first_bias.parts, *kernel.down_bias.parts)
+                    L["moe"]["tier_biases"] = [(kernel.part[p].shape[0], p) for p in biases]
+                    L["moe"]["biases"] = []
                 L["moe"]["experts"] = []
 
 
@@ -161,8 +166,10 @@ class _TierStepGraph(_StepGraph):
         if T == 1 and i + 1 < len(self._moe_specs):  # decode: guess the next layer's experts from h
             nxt = self._moe_specs[i + 1]
             nr = nxt["router"]
-            guess = g.argsort_top_k(g.mul_mat(g.leaf(GGML_TYPE_F32, (H, nr.shape[0]), nr.data_ptr()), h),
-                                    nxt["top_k"])                                  # [K', 1]
+            logits = g.mul_mat(g.leaf(GGML_TYPE_F32, (H, nr.shape[0]), nr.data_ptr()), h)  # [E', 1]
+            if "router_bias" in nxt:
+                logits = g.add(logits, self._vec(nxt["router_bias"]))
+            guess = g.argsort_top_k(logits, nxt["top_k"])                          # [K', 1]
             g._base.ggml_set_output(gg.view_src(guess))                           # read after its segment
             g.expand(guess)
         self._guesses.append(guess)
@@ -178,25 +185,37 @@ class _TierStepGraph(_StepGraph):
             leaves[p] = g.leaf(t, (cols, n, rows), store.pool[p].data_ptr(), stride=store.stride[p])  # [cols, n, R]
             if p in packers:  # rows in ggml's repacked layout: its repacked kernels read them
                 packers[p].mark(leaves[p])
+        for n, p in moe.get("tier_biases", ()):  # GPT-OSS: float32 biases [n] in each row
+            leaves[p] = g.leaf(GGML_TYPE_F32, (n, rows), store.pool[p].data_ptr(), stride=store.stride[p])
         self._leaves.append(leaves)
         if T > 1:
-            return self._silu_experts(list(leaves.values()), h, rid, w)
+            return self._sum_ranks(g.mul(self._pairs(moe, leaves, h, rid), w))
         # decode: the pairs of experts in RAM while the reads run (segment A), then each pair read
         # now alone (segment B, once a pair), its output put in the pair's place; then the weighted
         # sum in the resident graph's order, so the logits do not change
-        weights = list(leaves.values())
         g._base.ggml_set_output(h)  # B runs once a pair: its own nodes must not reuse h's memory
-        ex = self._silu_pairs(weights, h, rid)                                    # [H, K, 1]
+        ex = self._pairs(moe, leaves, h, rid)                                     # [H, K, 1]
         g.expand(ex)
         self._splits.append(g._base.ggml_graph_n_nodes(g.graph))                  # A ends
         row, row_addr = g.input(GGML_TYPE_I32, (1, 1), 4)                         # [1, 1] the pair's row
         rank, rank_addr = g.input(GGML_TYPE_I64, (1,), 8)                         # [1] its rank
         self._one.append((row_addr, rank_addr))
-        one = g.reshape_2d(self._silu_pairs(weights, h, row), H, 1)               # [H, 1]
+        one = g.reshape_2d(self._pairs(moe, leaves, h, row), H, 1)                # [H, 1]
         ex = g.set_rows(g.reshape_2d(ex, H, K), one, rank)                        # [H, K]: a view of ex
         g.expand(ex)
         self._splits.append(g._base.ggml_graph_n_nodes(g.graph))                  # B ends
         return self._sum_ranks(g.mul(g.reshape_3d(ex, H, K, 1), w))
+
+    def _oai_experts(self, moe: dict, h, sel, w):
+        return self._moe_experts(moe, h, sel, w)  # GPT-OSS: the same segments, its own pairs
+
+    def _pairs(self, moe: dict, leaves: dict, h, rows):
+        """Each pair's output [H, K, T], its weights (and GPT-OSS's biases: the tier holds them
+        in each expert's row too) read at the tier's ``rows`` [K, T]."""
+        weights = [leaves[p] for *_, p in moe["tier"]]
+        if "swiglu_oai" in moe:
+            return self._oai_pairs(moe, weights, [leaves[p] for _, p in moe["tier_biases"]], h, rows)
+        return self._silu_pairs(weights, h, rows)
 
     def _segments(self, n_threads: int) -> None:
         """Each span of nodes between two routers as a graph of its own, planned for the same
