@@ -81,6 +81,7 @@ def test_other_families_tier_graph_equals_the_resident_graph_and_the_eager_tier(
     assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))  # bit for bit
     tier = model.expertcache.stats().pool["tier"]
     assert tier["decode"]["file_reads"] > 0 and tier["decode"]["ram_hits"] > 0
+    assert tier["prefetch"]["guessed"] > 0  # the next layers' guesses ran (DeepSeek: in the kept groups)
 
 
 def test_read_ahead_changes_no_count_and_no_logit(model_file):

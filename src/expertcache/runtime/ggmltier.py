@@ -169,7 +169,10 @@ class _TierStepGraph(_StepGraph):
             logits = g.mul_mat(g.leaf(GGML_TYPE_F32, (H, nr.shape[0]), nr.data_ptr()), h)  # [E', 1]
             if "router_bias" in nxt:
                 logits = g.add(logits, self._vec(nxt["router_bias"]))
-            guess = g.argsort_top_k(logits, nxt["top_k"])                          # [K', 1]
+            if "sigmoid" in nxt:  # DeepSeek: the top-k of the biased sigmoid scores in the kept groups
+                guess = self._group_choice(nxt, logits)[1]                        # [K', 1]
+            else:                 # a softmax keeps the logits' order
+                guess = g.argsort_top_k(logits, nxt["top_k"])                      # [K', 1]
             g._base.ggml_set_output(gg.view_src(guess))                           # read after its segment
             g.expand(guess)
         self._guesses.append(guess)
