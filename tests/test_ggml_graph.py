@@ -464,6 +464,19 @@ def test_the_cli_flag_reaches_the_config():
 FAMILY_LLAMA_TOL = {"dense_mixtral_Q4_K_F32": 1e-5, "dense_olmoe_Q8_0_F32": 1e-5, "dense_deepseek_v3_Q8_0_F32": 1e-5}
 
 
+def _forced_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The last position's logits [T, vocab] of a teacher-forced run over ``tokens`` [T]: the
+    first token as a prompt, then one decode step a token."""
+    rows = []
+    with torch.no_grad():
+        out = model(tokens[:1].unsqueeze(0), use_cache=True)
+        rows.append(out.logits[0, -1])
+        for t in tokens[1:]:
+            out = model(t.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
+            rows.append(out.logits[0, -1])
+    return torch.stack(rows)
+
+
 @pytest.mark.parametrize("family,experts,dense", [("qwen3_moe", "Q4_K", "Q8_0"), ("qwen2_moe", "Q8_0", "Q4_0"),
                                                   ("mixtral", "Q4_K", "F32"), ("olmoe", "Q8_0", "F32"),
                                                   ("deepseek_v3", "Q8_0", "F32")])
@@ -483,15 +496,8 @@ def test_graph_decode_against_llamacpps_logits(tmp_path, family, experts, dense)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == str(ref[f"{key}_sha256"])
     llama, tokens = torch.from_numpy(ref[f"{key}_logits"]), torch.from_numpy(ref["tokens"])
     model = expertcache.offload(path, device="cpu", baseline="resident")
-    rows = []
-    with torch.no_grad():
-        out = model(tokens[:1].unsqueeze(0), use_cache=True)
-        rows.append(out.logits[0, -1])
-        for t in tokens[1:]:
-            out = model(t.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
-            rows.append(out.logits[0, -1])
+    logits = _forced_logits(model, tokens)                                      # [T, vocab]
     assert model._expertcache_graph.steps == len(tokens) - 1
-    logits = torch.stack(rows)                                                  # [T, vocab]
     assert _rel(logits, llama) < (LLAMA_TOL | FAMILY_LLAMA_TOL)[key]
 
 
@@ -512,14 +518,7 @@ def test_deepseek_per_layer_path_against_llamacpps_logits(tmp_path):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == str(ref[f"{key}_sha256"])
     llama, tokens = torch.from_numpy(ref[f"{key}_logits"]), torch.from_numpy(ref["tokens"])
     model = expertcache.offload(path, device="cpu", baseline="resident", cpu_kernel="ggml", cpu_graph="off")
-    rows = []
-    with torch.no_grad():
-        out = model(tokens[:1].unsqueeze(0), use_cache=True)
-        rows.append(out.logits[0, -1])
-        for t in tokens[1:]:
-            out = model(t.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
-            rows.append(out.logits[0, -1])
-    assert _rel(torch.stack(rows), llama) < 1e-5                               # [T, vocab] each
+    assert _rel(_forced_logits(model, tokens), llama) < 1e-5                   # [T, vocab] each
 
 
 def test_a_deep_copy_of_the_cache_holds_its_own_rows(tmp_path):

@@ -37,13 +37,13 @@ def _tiered(path, budget=0.25, **kw):
                                **kw)
 
 
-def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
-    # Q8_0 experts: ggml repacks none on x86 (nor with cpu_repack='off'), so the tier's rows hold
-    # the file's bytes and the graph reads them with the resident graph's in-place kernel
-    ref = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy",
+def _tier_graph_equals_the_references(path):
+    """The tier's graph run of ``path``: every step in the graph, logits bit for bit the resident
+    graph's, tokens the per-layer tier's. Returns (the model, its tier's counters)."""
+    ref = expertcache.offload(path, device="cpu", baseline="resident", host_memory="copy",
                               cpu_repack="off").generate(PROMPT, **KW)
-    eager = _tiered(model_file, cpu_graph="off").generate(PROMPT, **KW)
-    model = _tiered(model_file)
+    eager = _tiered(path, cpu_graph="off").generate(PROMPT, **KW)
+    model = _tiered(path)
     summary = model.expertcache.summary()
     assert summary["cpu_graph"] == "on" and "experts from the RAM tier's rows" in summary["cpu_graph_reason"]
     got = model.generate(PROMPT, **KW)
@@ -53,6 +53,13 @@ def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
     assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))  # bit for bit
     tier = model.expertcache.stats().pool["tier"]
     assert tier["decode"]["file_reads"] > 0 and tier["decode"]["ram_hits"] > 0
+    return model, tier
+
+
+def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
+    # Q8_0 experts: ggml repacks none on x86 (nor with cpu_repack='off'), so the tier's rows hold
+    # the file's bytes and the graph reads them with the resident graph's in-place kernel
+    model, tier = _tier_graph_equals_the_references(model_file)
     ahead = tier["prefetch"]
     assert ahead["guessed"] == (NEW - 1) * 2 * 2       # decode steps x next layers x top-k
     assert ahead["read_ahead"] > 0 and ahead["used"] > 0  # guesses were read ahead, and some loaded
@@ -64,23 +71,10 @@ def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
 def test_other_families_tier_graph_equals_the_resident_graph_and_the_eager_tier(tmp_path, family, experts):
     """DeepSeek-V3 (a dense first layer, then MoE layers with group-limited sigmoid routing and a
     shared expert), Mixtral (top-k renormalised) and OLMoE (q/k norms over all heads) over the RAM
-    tier: the segments split after their routers, the experts read from the tier's rows; logits
-    bit for bit the resident graph's, tokens the per-layer tier's. GPT-OSS (4 layers: sliding and
-    full in turn) adds expert biases, read by expert id while its weights are read by row id."""
+    tier: the segments split after their routers, the experts read from the tier's rows. GPT-OSS
+    (4 layers: sliding and full in turn) adds expert biases, rows of the tier as its weights."""
     path = write_gguf(tmp_path / f"{family}.gguf", family, experts, layers=4 if family == "gpt_oss" else 3)
-    ref = expertcache.offload(path, device="cpu", baseline="resident", host_memory="copy",
-                              cpu_repack="off").generate(PROMPT, **KW)
-    eager = _tiered(path, cpu_graph="off").generate(PROMPT, **KW)
-    model = _tiered(path)
-    summary = model.expertcache.summary()
-    assert summary["cpu_graph"] == "on" and "experts from the RAM tier's rows" in summary["cpu_graph_reason"]
-    got = model.generate(PROMPT, **KW)
-    decoder = model._expertcache_graph
-    assert decoder.steps == NEW - 1 and decoder.prefills == 1
-    assert torch.equal(got.sequences, ref.sequences) and torch.equal(got.sequences, eager.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))  # bit for bit
-    tier = model.expertcache.stats().pool["tier"]
-    assert tier["decode"]["file_reads"] > 0 and tier["decode"]["ram_hits"] > 0
+    _, tier = _tier_graph_equals_the_references(path)
     assert tier["prefetch"]["guessed"] > 0  # the next layers' guesses ran (DeepSeek: in the kept groups)
 
 
