@@ -40,8 +40,7 @@ def _tiered(path, budget=0.25, **kw):
 def _tier_graph_equals_the_references(path):
     """The tier's graph run of ``path``: every step in the graph, logits bit for bit the resident
     graph's, tokens the per-layer tier's. Returns (the model, its tier's counters)."""
-    ref = expertcache.offload(path, device="cpu", baseline="resident", host_memory="copy",
-                              cpu_repack="off").generate(PROMPT, **KW)
+    ref = expertcache.offload(path, device="cpu", baseline="resident", host_memory="copy").generate(PROMPT, **KW)
     eager = _tiered(path, cpu_graph="off").generate(PROMPT, **KW)
     model = _tiered(path)
     summary = model.expertcache.summary()
@@ -146,19 +145,16 @@ def q4_file(tmp_path_factory):
 
 
 @pytest.fixture
-def repack_rows(monkeypatch):
-    """Rows repacked (off by default: ggmltier.REPACK_ROWS says why). Skip where this CPU's ggml
-    repacks no Q4_0 expert (the layouts are per instruction set)."""
-    from expertcache.runtime import ggmltier
+def repack_rows():
+    """Skip where this CPU's ggml repacks no Q4_0 expert (the layouts are per instruction set)."""
     if ggmlrepack.RowRepack.of(2, 32, 8) is None:   # Q4_0, 8 rows of one block
         pytest.skip("ggml repacks no Q4_0 weight on this CPU (no CPU_REPACK buffer, or no AVX2 / NEON layout)")
-    monkeypatch.setattr(ggmltier, "REPACK_ROWS", True)
 
 
-def test_rows_are_not_repacked_by_default(q4_file):
+def test_rows_are_repacked_by_default(q4_file, repack_rows):
     model = _tiered(q4_file)
-    assert "repacking the tier's rows is off" in model.expertcache.summary()["cpu_graph_reason"]
-    assert model.expertcache.stats().pool["tier"]["repacked"] == []
+    assert "repacked for ggml's CPU kernels as they are read" in model.expertcache.summary()["cpu_graph_reason"]
+    assert model.expertcache.stats().pool["tier"]["repacked"] == PARTS
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +259,76 @@ def test_repacked_rows_in_a_step_wider_than_the_tier(q4_file, q4_resident, repac
     ref = q4_resident["auto"]
     assert torch.equal(got.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
+
+
+# -- rows the pairs being read are computed on while their reads run --------------------
+def _no_row_twice_a_token(rows: torch.Tensor, where: str) -> None:
+    """ggml's repacked ``mul_mat_id`` holds each row once a token: rows [T, K] must not repeat in a row."""
+    for t, token in enumerate(rows.tolist()):
+        assert len(set(token)) == len(token), f"{where}: token {t} names a row twice: {token}"
+
+
+def test_the_graph_computes_beside_the_reads_on_rows_of_their_own(q4_file, q4_resident, repack_rows, monkeypatch):
+    """Segment A points each expert being read at a spare row of its own (``TieredStore.stand_ins``):
+    one stand-in row for all of them named a row twice in a token, which overran the repacked
+    kernel's row table (NaN logits, heap corruption). Every segment A runs with distinct rows, more
+    than one pair a token was read late, and the logits are the resident repacked run's."""
+    from expertcache.runtime import ggmltier
+
+    model = _tiered(q4_file, 0.15)
+    graph_runs = []
+    run = ggmltier._TierStepGraph._run
+
+    def checked(self, i):
+        for layer in range(len(self._moe_specs)):
+            if i == 1 + 3 * layer and self.tokens == 1:   # segment A of a decode step
+                _no_row_twice_a_token(torch.from_numpy(self._rid_views[layer].copy()), f"segment A, layer {layer}")
+                graph_runs.append(i)
+        return run(self, i)
+
+    monkeypatch.setattr(ggmltier._TierStepGraph, "_run", checked)
+    got = model.generate(PROMPT, **KW)
+    graph = model._expertcache_graph
+    assert graph_runs and graph.steps == NEW - 1
+    assert sum(g.late_pairs for g in graph.graphs.values()) > NEW  # pairs read beside the compute
+    ref = q4_resident["auto"]
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
+
+
+def test_the_per_layer_path_computes_beside_the_reads_on_rows_of_their_own(q4_file, repack_rows, monkeypatch):
+    """The per-layer tier's first pass (``tiered._overlapped``) names each expert being read by a
+    spare row of its own too: over a prompt's tokens no row repeats within a token."""
+    from expertcache.runtime.cpukernel import GgmlExperts
+    from expertcache.runtime import tiered
+
+    model = _tiered(q4_file, 0.15)
+    model._expertcache_graph.enabled = False
+    passes = []
+    mlp = GgmlExperts._silu_mlp
+
+    def checked(self, hidden, rows, tensors):
+        _no_row_twice_a_token(rows.view(hidden.shape[0], -1), "the per-layer first pass")
+        passes.append(rows.shape)
+        return mlp(self, hidden, rows, tensors)
+
+    monkeypatch.setattr(GgmlExperts, "_silu_mlp", checked)
+    overlapped, original = [], tiered._overlapped
+    monkeypatch.setattr(tiered, "_overlapped", lambda *a: overlapped.append(1) or original(*a))
+    got = model.generate(PROMPT, **KW)
+    assert overlapped and passes
+    want = _tiered(q4_file, 0.15, cpu_graph="off").generate(PROMPT, **KW)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_stand_ins_are_spare_rows_or_none():
+    """Each expert being read gets a row no expert of the step is in; too few spare rows: None."""
+    from expertcache.runtime.tiered import Pending, TieredStore
+
+    store = TieredStore.__new__(TieredStore)
+    store.rows = 6
+    pending = Pending({3: 0, 7: 2, 9: 4}, {7, 9}, 0)        # experts 3 (a hit), 7, 9 (read) in rows 0, 2, 4
+    assert store.stand_ins(pending) == {7: 1, 9: 3}
+    store.rows = 4
+    pending = Pending({3: 0, 7: 1, 9: 2, 11: 3}, {7, 9}, 0)  # every row taken by the step
+    assert store.stand_ins(pending) is None

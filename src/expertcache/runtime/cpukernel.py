@@ -45,7 +45,8 @@ class GgmlExperts:
         """Read ``packed``'s parts (part -> ``ggmlrepack.RowRepack``) as ggml's repacked layout
         from now on: every byte tensor this layer computes from holds them so (the RAM tier's
         rows under the graph decode, runtime/ggmltier.py)."""
-        if packed and (self.first_bias is not None or self.down_bias is not None):
+        biases = {p for k in (self.first_bias, self.down_bias) if k is not None for p in k.parts}
+        if biases & set(packed):
             raise ValueError("expert biases are dequantized from the bytes in torch: they cannot be repacked")
         self.packed = dict(packed)
         self._graphs.clear()  # built over the other layout

@@ -18,8 +18,8 @@ into a graph of its own, all sharing the allocation the whole graph got):
 
 A decode step's experts take two more segments around the reads (``tiered._overlapped``'s
 way): A computes every pair while the step's reads run, the pairs of experts being read
-pointed at a row in RAM; B computes one pair and ``set_rows`` it into its place, run once per
-expert read once it is in its row; the weighted sum follows in the resident graph's order.
+pointed at spare rows (``TieredStore.stand_ins``); B computes one pair and ``set_rows`` it into
+its place, run once per expert read once it is in its row; the weighted sum follows in the resident graph's order.
 Before A the step's first reads are settled on their reader threads (``ReadPool.settle``): A's
 ggml threads spin between nodes on every core, and a reader woken after them waited for a core
 most of A's time (docs/tiers.md, "Where a decode token's time goes").
@@ -69,17 +69,6 @@ from .ggmlgraph import attach as _attach
 
 # the experts built here: SiLU(gate) * up, or GPT-OSS's with biases and the clamped SwiGLU
 _TIER_FAMILIES = {"qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "olmoe", "gpt_oss"}
-# The tier's rows repacked (``_repack_rows``): off until a fault is found. On the bench model
-# (benchmarks/bench_tiers.py), sampled decode over a second sequence gave NaN logits within
-# 1-30 tokens with repacked rows (never with the file's bytes), once "munmap_chunk(): invalid
-# pointer" at a 10% budget: heap memory is written out of bounds somewhere on that path, though
-# every row read back equals the repack of the file's bytes. The greedy tests pass with it on.
-# One overflow is known: segment A points every pair being read at one stand-in row, so a token
-# names a row more than once, and ggml's repacked mul_mat_id sizes its row table [n_as][tokens]
-# (repack.cpp; the plain kernel's is [n_as][K * tokens]): a repeated row writes past the work
-# buffer, so repacked rows skip segment A. NaN also came with segment A off: not the only fault.
-REPACK_ROWS = False
-
 # ggml's poll for the segments' thread pool: workers spin this long (ggml's default) for the next
 # segment instead of sleeping. Tier 25%, bench model, one process: 21.4-22.1 ms a decode token
 # against 22.8-23.6 with poll 0 (docs/tiers.md).
@@ -299,7 +288,7 @@ class _TierStepGraph(_StepGraph):
 
     def _overlapped(self, i: int, phase: int, seg: int) -> None:
         """A decode step (``tiered._overlapped``'s way, in the graph): segment A computes every
-        pair while the reads run, the pairs of experts being read pointed at a row in RAM; once
+        pair while the reads run, the pairs of experts being read pointed at spare rows; once
         read, segment B computes each of those pairs alone into its place. ggml computes each
         (token, expert) pair on its own, so every pair's output is the one-pass output bit for bit."""
         store = self.spec.store
@@ -318,17 +307,15 @@ class _TierStepGraph(_StepGraph):
         for p, leaf in self._leaves[i].items():
             leaf.contents.data = store._np[p].ctypes.data
         self._held = None
-        # nothing to overlap, or repacked rows: the stand-in row would repeat within the token,
-        # past the repacked kernel's row table (REPACK_ROWS)
-        if not ranks or store.repack is not None:
+        stand_ins = store.stand_ins(pending) if ranks else None
+        if stand_ins is None:  # nothing to overlap, or too few spare rows to compute beside the reads
             store.finish(pending)
             rid[0] = real
             self._run(seg)
             return
-        hits = [r for k, r in enumerate(real) if k not in ranks]
         store.settle(pending)  # the readers on a core before the graph's threads take both
-        if hits:  # the RAM hits while the reads run (their rows are not written by them)
-            rid[0] = [hits[0] if k in ranks else r for k, r in enumerate(real)]
+        if len(ranks) < len(real):  # the RAM hits while the reads run (their rows are not written by them)
+            rid[0] = [stand_ins[e] if k in ranks else r for k, (e, r) in enumerate(zip(experts, real))]
             self._run(seg)
         store.finish(pending)
         rid[0] = real
@@ -465,8 +452,6 @@ def _repack_rows(spec: _TierSpec, cache, choice: str) -> str:
 
     if choice == "off":
         return "read in place: cpu_repack='off'"
-    if not REPACK_ROWS:
-        return "read in place: repacking the tier's rows is off until a fault is fixed (ggmltier.REPACK_ROWS)"
     store = cache.tier
     packers: list[dict] = [{} for _ in range(store.num_layers)]
     for moe in (L["moe"] for L in spec.layers if "moe" in L):

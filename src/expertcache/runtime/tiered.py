@@ -195,6 +195,17 @@ class TieredStore:
         if pending.futures:
             self.reader.settle(pending.started, len(pending.futures))
 
+    def stand_ins(self, pending: Pending) -> dict[int, int] | None:
+        """A row of its own for each expert being read, to compute its pairs on while the read runs
+        (their outputs are replaced once it is read): rows no expert of the step is in, so no read
+        writes them and no row repeats within a token. ggml's repacked ``mul_mat_id`` sizes its row
+        table for each row once a token ([rows][tokens], repack.cpp): a row named twice in one
+        token writes past its work buffer. None when the tier has too few spare rows."""
+        need = sorted(pending.reading)
+        taken = set(pending.rows.values())
+        spare = [r for r in range(min(self.rows, len(taken) + len(need))) if r not in taken]
+        return dict(zip(need, spare)) if len(spare) >= len(need) else None
+
     def finish(self, pending: Pending) -> None:
         """Wait for ``pending``'s reads; count them (``read_seconds``: from their start, ``wait_seconds``:
         the part the caller waited for)."""
@@ -325,7 +336,10 @@ class TieredExperts:
         self.count_tokens(phase, top_k_index.shape[0])
         pending = self.store.start(self.layer, experts, phase)
         if pending.futures and pending.compact is None and kernel._silu_gate(module):
-            return _overlapped(kernel, self.store, pending, hidden, top_k_index, top_k_weights, self.tensors)
+            stand_ins = self.store.stand_ins(pending)
+            if stand_ins is not None:
+                return _overlapped(kernel, self.store, pending, stand_ins, hidden, top_k_index, top_k_weights,
+                                   self.tensors)
         self.store.finish(pending)
         view = self._view(pending)
         return kernel.routed(module, hidden, view.remap(top_k_index), top_k_weights, view.tensors)
@@ -362,11 +376,11 @@ class StepView:
         return {k: t[0] for k, t in decoded.items()}
 
 
-def _overlapped(kernel, store: TieredStore, pending: Pending, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def _overlapped(kernel, store: TieredStore, pending: Pending, stand_ins: dict[int, int], hidden: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """``GgmlExperts.routed`` in two passes around the reads: the pairs of experts in RAM first (the
-    missing ones' rows pointed at a resident row, their outputs replaced after), then the missing
-    ones' pairs alone, once read. ggml computes each (token, expert) pair on its own (the same
+    missing ones pointed at their ``stand_ins`` rows, ``TieredStore.stand_ins``, their outputs
+    replaced after), then the missing ones' pairs alone, once read. ggml computes each (token, expert) pair on its own (the same
     bytes whatever else is in the graph), so the result is the one-pass result bit for bit
     (``tests/test_tiers.py``). hidden [T, H], top_k_index [T, K] -> [T, H]."""
     T, K = top_k_index.shape
@@ -377,11 +391,9 @@ def _overlapped(kernel, store: TieredStore, pending: Pending, hidden: torch.Tens
     reading = torch.zeros(max(rows) + 1, dtype=torch.bool)
     reading[list(pending.reading)] = True
     miss = reading[top_k_index.cpu()].reshape(-1)                                    # [T*K] pairs read now
-    hit_rows = ids.reshape(-1)[~miss]
-    if hit_rows.numel():  # the RAM hits, while the reads run (their rows are not being written)
-        first = ids.clone()
-        first.view(-1)[miss] = hit_rows[0]
-        out = kernel._silu_mlp(hidden, first, tensors)                               # [T*K, H]
+    if not miss.all():  # the RAM hits, while the reads run (their rows are not being written)
+        lut[list(stand_ins)] = torch.tensor(list(stand_ins.values()), dtype=torch.int32)
+        out = kernel._silu_mlp(hidden, lut[top_k_index.cpu()].contiguous(), tensors)  # [T*K, H]
     else:
         out = torch.empty(T * K, kernel.part[kernel.down.parts[0]].shape[0])
     store.finish(pending)
