@@ -10,6 +10,8 @@ limit, the same for both:
   read in place: ``cpu_repack='off'``);
 - ``tiered N%``: ``host_memory='tiered'``, a RAM tier of that share of the experts, the rest
   read with O_DIRECT, decoded as one ggml graph a token (runtime/ggmltier.py);
+- ``tiered N% rows plain`` (``--rows-plain``): the same, its rows the file's bytes
+  (``cpu_repack='off'``) instead of ggml's repacked layout;
 - ``tiered N% per-layer`` (``--per-layer``): the same tier on the per-layer path
   (``cpu_graph='off'``), what tiered decode was before the graph read the tier.
 
@@ -208,6 +210,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="rounds of every configuration (best one shown)")
     ap.add_argument("--per-layer", action="store_true", help="also run each tier on the per-layer path "
                     "(cpu_graph='off'): before and after the one-graph decode, side by side")
+    ap.add_argument("--rows-plain", action="store_true", help="also run each tier with its rows the file's "
+                    "bytes (cpu_repack='off'; by default they hold ggml's repacked layout)")
     ap.add_argument("--device", default="cpu", help="cpu (the CPU engine, every expert from the host) or "
                     "cuda (device slots in front of the host tier: give --slots)")
     ap.add_argument("--slots", type=int, help="device slots as a %% of the experts, in front of every configuration")
@@ -264,6 +268,8 @@ def main() -> None:
             # expert into RAM for ggml's repacked kernels: it sizes by free RAM, not the cgroup's limit)
             configs = [(f"mmap ({share}% limit)", dict(host_memory="mmap", cpu_repack="off")),
                        (f"tiered {share}%", _tier(share))]
+            if args.rows_plain:
+                configs.append((f"tiered {share}% rows plain", dict(_tier(share), cpu_repack="off")))
             if args.per_layer:
                 configs.append((f"tiered {share}% per-layer", dict(_tier(share), cpu_graph="off")))
             for label, settings in configs:
@@ -299,11 +305,13 @@ def main() -> None:
         for rnd in rounds:
             by = {r["label"]: r for r in rnd["runs"] if "error" not in r}
             a, b, c = by.get("tiered 25%"), by.get("mmap (25% limit)"), by.get("tiered 25% per-layer")
+            plain = by.get("tiered 25% rows plain")
             if a and b:
                 per_round.append({"speedup_25_vs_mmap": a["tok_s"] / b["tok_s"],
                                   "disk_bytes_ratio_25_vs_mmap": a["disk_bytes_per_token"] / b["disk_bytes_per_token"],
                                   "of_bound_25": a["of_bound"], "of_disk_bound_25": a["of_disk_bound"],
-                                  **({"graph_vs_per_layer_25": a["tok_s"] / c["tok_s"]} if c else {})})
+                                  **({"graph_vs_per_layer_25": a["tok_s"] / c["tok_s"]} if c else {}),
+                                  **({"repacked_vs_plain_rows_25": a["tok_s"] / plain["tok_s"]} if plain else {})})
         doc["goals"]["per_round"] = per_round
         print("goals:", json.dumps(doc["goals"]))
     print(doc["uptime"])
