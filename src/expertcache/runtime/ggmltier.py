@@ -19,7 +19,8 @@ into a graph of its own, all sharing the allocation the whole graph got):
 A decode step's experts take two more segments around the reads (``tiered._overlapped``'s
 way): A computes every pair while the step's reads run, the pairs of experts being read
 pointed at spare rows (``TieredStore.stand_ins``); B computes one pair and ``set_rows`` it into
-its place, run once per expert read once it is in its row; the weighted sum follows in the resident graph's order.
+its place, run once per expert read once it is in its row; the weighted sum follows in the
+resident graph's order.
 Before A the step's first reads are settled on their reader threads (``ReadPool.settle``): A's
 ggml threads spin between nodes on every core, and a reader woken after them waited for a core
 most of A's time (docs/tiers.md, "Where a decode token's time goes").

@@ -377,11 +377,13 @@ class StepView:
 
 
 def _overlapped(kernel, store: TieredStore, pending: Pending, stand_ins: dict[int, int], hidden: torch.Tensor,
-                top_k_index: torch.Tensor, top_k_weights: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """``GgmlExperts.routed`` in two passes around the reads: the pairs of experts in RAM first (the
     missing ones pointed at their ``stand_ins`` rows, ``TieredStore.stand_ins``, their outputs
-    replaced after), then the missing ones' pairs alone, once read. ggml computes each (token, expert) pair on its own (the same
-    bytes whatever else is in the graph), so the result is the one-pass result bit for bit
+    replaced after), then the missing ones' pairs alone, once read. ggml computes each (token,
+    expert) pair on its own (the same bytes whatever else is in the graph), so the result is the
+    one-pass result bit for bit
     (``tests/test_tiers.py``). hidden [T, H], top_k_index [T, K] -> [T, H]."""
     T, K = top_k_index.shape
     rows = pending.rows
