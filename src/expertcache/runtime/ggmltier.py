@@ -316,7 +316,7 @@ class _TierStepGraph(_StepGraph):
             return
         store.settle(pending)  # the readers on a core before the graph's threads take both
         if len(ranks) < len(real):  # the RAM hits while the reads run (their rows are not written by them)
-            rid[0] = [stand_ins[e] if k in ranks else r for k, (e, r) in enumerate(zip(experts, real))]
+            rid[0] = [stand_ins.get(e, r) for e, r in zip(experts, real)]
             self._run(seg)
         store.finish(pending)
         rid[0] = real
