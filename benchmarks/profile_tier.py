@@ -4,7 +4,7 @@ Loads the bench model (benchmarks/bench_tiers.py builds it) with ``host_memory='
 this process (no memory limit), decodes ``--tokens`` sampled tokens, and times, per decode
 token, by wrapping the methods (nothing in the library changes):
 
-- each ggml segment call (``_run``: segment 0, A, B, the rest of each layer),
+- each ggml segment call (``_run``: segment 0, A, the subsets, the rest of each layer),
 - the tier's step start (``_start``: the table, read submits, the read-ahead's issue),
 - the wait for reads (``TieredStore.finish``), ``_point`` (rows into ``rid``),
 - each read (``DirectFile.read_into``): queue time (submit -> start on a reader thread) and
@@ -73,8 +73,12 @@ def main() -> None:
             return "run: prefill"
         if i == 0:
             return "run: segment 0 (embedding .. layer 0 router)"
-        r = (i - 1) % 3
-        return ["run: A (hits, beside reads)", "run: B (one read pair)", "run: rest of layer + next attention"][r]
+        for a, subsets in zip(self._a, self._subsets):
+            if i == a:
+                return "run: A (every pair; no reads)"
+            if a < i <= a + len(subsets):
+                return "run: subsets (the hits' beside reads, the read ones')"
+        return "run: rest of layer + next attention"
 
     submitted = {}   # id(dst) -> submit time
     reads = []       # (queue seconds, read seconds, nbytes)

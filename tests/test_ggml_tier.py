@@ -268,29 +268,45 @@ def _no_row_twice_a_token(rows: torch.Tensor, where: str) -> None:
         assert len(set(token)) == len(token), f"{where}: token {t} names a row twice: {token}"
 
 
-def test_the_graph_computes_beside_the_reads_on_rows_of_their_own(q4_file, q4_resident, repack_rows, monkeypatch):
-    """Segment A points each expert being read at a spare row of its own (``TieredStore.stand_ins``):
-    one stand-in row for all of them named a row twice in a token, which overran the repacked
-    kernel's row table (NaN logits, heap corruption). Every segment A runs with distinct rows, more
-    than one pair a token was read late, and the logits are the resident repacked run's."""
-    from expertcache.runtime import ggmltier
+def test_the_graph_computes_only_the_hits_beside_the_reads(q4_file, q4_resident, repack_rows, monkeypatch):
+    """While a decode step's reads run, its subset segment computes the RAM hits' pairs alone, on
+    rows no read writes, each row once (ggml's repacked ``mul_mat_id`` holds a row once a token:
+    a row named twice overran its row table); once read, the other subset computes the read
+    experts' pairs. Every rank is computed once a step, and the logits are the resident repacked
+    run's bit for bit."""
+    from expertcache.runtime import ggmltier, tiered
 
     model = _tiered(q4_file, 0.15)
-    graph_runs = []
-    run = ggmltier._TierStepGraph._run
+    step, beside = {}, []
+    start, finish, subset = ggmltier._TierStepGraph._start, tiered.TieredStore.finish, ggmltier._TierStepGraph._subset
 
-    def checked(self, i):
-        if self.tokens == 1 and i % 3 == 1:   # segment A of a decode step (1 + 3 * layer)
-            layer = i // 3
-            _no_row_twice_a_token(torch.from_numpy(self._rid_views[layer].copy()), f"segment A, layer {layer}")
-            graph_runs.append(i)
-        return run(self, i)
+    def started(self, i, phase):
+        ids, pending = start(self, i, phase)
+        step.update(reading={pending.rows[e] for e in pending.reading}, done=False, ranks=[])
+        return ids, pending
 
-    monkeypatch.setattr(ggmltier._TierStepGraph, "_run", checked)
+    def finished(self, pending):
+        step["done"] = True
+        return finish(self, pending)
+
+    def checked(self, i, ranks, real):
+        rows = [real[k] for k in ranks]
+        _no_row_twice_a_token(torch.tensor([rows]), f"a subset of layer {i}")
+        if not step["done"]:   # beside the reads: no row a read writes
+            assert not set(rows) & step["reading"], (rows, step["reading"])
+            beside.append(len(ranks))
+        step["ranks"] += ranks
+        if step["done"]:       # the read pairs: with the hits', every rank once
+            assert sorted(step["ranks"]) == list(range(len(real)))
+        return subset(self, i, ranks, real)
+
+    monkeypatch.setattr(ggmltier._TierStepGraph, "_start", started)
+    monkeypatch.setattr(tiered.TieredStore, "finish", finished)
+    monkeypatch.setattr(ggmltier._TierStepGraph, "_subset", checked)
     got = model.generate(PROMPT, **KW)
     graph = model._expertcache_graph
-    assert graph_runs and graph.steps == NEW - 1
-    assert sum(g.late_pairs for g in graph.graphs.values()) > NEW  # pairs read beside the compute
+    assert graph.steps == NEW - 1 and beside   # some steps computed their hits beside reads
+    assert sum(g.late_pairs for g in graph.graphs.values()) > NEW
     ref = q4_resident["auto"]
     assert torch.equal(got.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))

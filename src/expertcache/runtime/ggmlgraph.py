@@ -411,8 +411,7 @@ class _StepGraph:
         self.ring = ring_rows(spec)
         self.keep = keep or tokens  # logits of the last ``keep`` tokens (a prefill needs the last one)
         self.repacked = repacked   # quant.ggmlrepack.Repacked or None: weights ggml reads repacked
-        # headers: about 60 ops a layer and 2 per top-k rank (the sum over ranks), counted twice
-        g = self.g = gg.Graph((160 + 4 * 64) * len(spec.layers) + 256)
+        g = self.g = gg.Graph(self._headers(spec, tokens))
         T, C = tokens, self.capacity
         self.tok, self.tok_addr = g.input(GGML_TYPE_I32, (T,), 4)
         self.pos, self.pos_addr = g.input(GGML_TYPE_I32, (T,), 4)
@@ -444,6 +443,11 @@ class _StepGraph:
         self._pos = gg.int32_array(self.pos_addr, (T,))
         self._rows = gg.int64_array(self.rows_addr, (T,))
         self._filled = -1                                    # mask cells set to 0: [0, _filled)
+
+    def _headers(self, spec: _Spec, tokens: int) -> int:
+        """Tensor headers the graph may make: about 60 ops a layer and 2 per top-k rank (the sum
+        over ranks), counted twice."""
+        return (160 + 4 * 64) * len(spec.layers) + 256
 
     def _vec(self, t: torch.Tensor):
         return self.g.leaf(GGML_TYPE_F32, (t.numel(),), t.data_ptr())

@@ -16,16 +16,18 @@ into a graph of its own, all sharing the allocation the whole graph got):
     ...
     segment L: the last layer's experts, the final norm, the lm_head
 
-A decode step's experts take two more segments around the reads (``tiered._overlapped``'s
-way): A computes every pair while the step's reads run, the pairs of experts being read
-pointed at spare rows (``TieredStore.stand_ins``); B computes one pair and ``set_rows`` it into
-its place, run once per expert read once it is in its row; the weighted sum follows in the
-resident graph's order.
-Before A the step's first reads are settled on their reader threads (``ReadPool.settle``): A's
-ggml threads spin between nodes on every core, and a reader woken after them waited for a core
-most of A's time (docs/tiers.md, "Where a decode token's time goes").
-B runs more than once over one allocation, so the MoE input it reads (``h``) is marked an
-output: ggml's allocator would otherwise give its memory to B's later nodes.
+A decode step's experts have segments of their own between the router and the rest of the
+layer: A computes every pair (a step without reads), and subset j (j = 1 .. K-1) computes j of
+the K pairs, read at the rows of an input [j] and ``set_rows`` into their ranks' places of A's
+output. A step with reads runs the subset of its RAM hits' pairs while the reads run (on rows
+no read writes), then the subset of the read experts' pairs once they are in; the weighted
+sum follows in the resident graph's order. (``tiered._overlapped``, the per-layer path, computes
+every pair beside the reads instead, those being read on spare rows: ``TieredStore.stand_ins``.)
+Before the hits' subset the step's first reads are settled on their reader threads
+(``ReadPool.settle``): the graph's threads spin between nodes on every core, and a reader woken
+after them waited for a core most of the compute (docs/tiers.md, "Where a decode token's time goes").
+The subsets run apart from A over one allocation, so the MoE input they read (``h``) is marked
+an output: ggml's allocator would otherwise give its memory to later nodes.
 
 The tier's step is the eager path's (``TieredStore.start`` / ``finish``: the same table, the
 same order of steps), so its counters equal ``sim``'s replay as before. A step wider than the
@@ -134,18 +136,23 @@ class _TierStepGraph(_StepGraph):
         self._rid: list[tuple] = []           # per MoE layer: (rid tensor, its address)
         self._leaves: list[dict] = []         # per MoE layer: part -> weight leaf over the pool
         self._guesses: list = []              # per MoE layer: the next layer's guessed top-k, or None
-        self._one: list[tuple] = []           # decode, per MoE layer: (row, rank) inputs of the one-pair part
+        self._a: list[int] = []               # decode, per MoE layer: the index of its segment A
+        self._subsets: list[list] = []        # decode, per MoE layer: [j - 1] (rows [j], ranks [j]) of subset j
         super().__init__(spec, kv, tokens, n_threads, repacked, keep)
         T = tokens
         self._rid_views = [gg.int32_array(addr, (T, gg.ne(t)[0])) for t, addr in self._rid]        # [T, K]
-        self._one_views = [(gg.int32_array(row, (1,)), gg.int64_array(rank, (1,))) for row, rank in self._one]
         self._guess_views = [None if t is None else gg.int32_array(gg.view_src(t), (T, gg.ne(gg.view_src(t))[0]))
                              [:, :gg.ne(t)[0]] for t in self._guesses]                               # [T, K']
         self._segments(n_threads)
         self._held = None  # a compact copy the next segment reads (a step wider than the tier)
-        self.late_pairs = 0  # decode pairs computed after their expert was read (segment B runs)
+        self.late_pairs = 0  # decode pairs computed after their expert was read
 
     # -- build ---------------------------------------------------------------------------
+    def _headers(self, spec: _TierSpec, tokens: int) -> int:
+        """A decode step's subsets too: K - 1 of them a MoE layer, about 12 ops each (GPT-OSS's)."""
+        subsets = 0 if tokens > 1 else sum(24 * (m["top_k"] - 1) for m in self._moe_specs)
+        return super()._headers(spec, tokens) + subsets
+
     def _moe_experts(self, moe: dict, h, sel, w):
         """The segment ends once the router's ``sel`` [K, T] is computed (and, in decode, the next
         layer's guess); the experts read the tier's rows through ``rid`` [K, T], filled between."""
@@ -183,21 +190,25 @@ class _TierStepGraph(_StepGraph):
         self._leaves.append(leaves)
         if T > 1:
             return self._sum_ranks(g.mul(self._pairs(moe, leaves, h, rid), w))
-        # decode: the pairs of experts in RAM while the reads run (segment A), then each pair read
-        # now alone (segment B, once a pair), its output put in the pair's place; then the weighted
-        # sum in the resident graph's order, so the logits do not change
-        g._base.ggml_set_output(h)  # B runs once a pair: its own nodes must not reuse h's memory
+        # decode: segment A computes every pair (no reads), or the subset segments do: j of the K
+        # pairs each (their rows, their ranks), the RAM hits' while the reads run, the read ones
+        # after, each output set into its rank's place; then the weighted sum in the resident
+        # graph's order, so the logits do not change
+        g._base.ggml_set_output(h)  # the subsets run apart from A: their nodes must not reuse h's memory
         ex = self._pairs(moe, leaves, h, rid)                                     # [H, K, 1]
         g.expand(ex)
+        self._a.append(len(self._splits))
         self._splits.append(g._base.ggml_graph_n_nodes(g.graph))                  # A ends
-        row, row_addr = g.input(GGML_TYPE_I32, (1, 1), 4)                         # [1, 1] the pair's row
-        rank, rank_addr = g.input(GGML_TYPE_I64, (1,), 8)                         # [1] its rank
-        self._one.append((row_addr, rank_addr))
-        one = g.reshape_2d(self._pairs(moe, leaves, h, row), H, 1)                # [H, 1]
-        ex = g.set_rows(g.reshape_2d(ex, H, K), one, rank)                        # [H, K]: a view of ex
-        g.expand(ex)
-        self._splits.append(g._base.ggml_graph_n_nodes(g.graph))                  # B ends
-        return self._sum_ranks(g.mul(g.reshape_3d(ex, H, K, 1), w))
+        out, subsets = g.reshape_2d(ex, H, K), []                                 # [H, K]
+        for j in range(1, K):
+            rows, rows_addr = g.input(GGML_TYPE_I32, (j, 1), 4)                   # [j, 1] the pairs' rows
+            ranks, ranks_addr = g.input(GGML_TYPE_I64, (j,), 8)                   # [j] their ranks
+            out = g.set_rows(out, g.reshape_2d(self._pairs(moe, leaves, h, rows), H, j), ranks)  # a view of ex
+            g.expand(out)
+            self._splits.append(g._base.ggml_graph_n_nodes(g.graph))              # subset j ends
+            subsets.append((gg.int32_array(rows_addr, (j,)), gg.int64_array(ranks_addr, (j,))))
+        self._subsets.append(subsets)
+        return self._sum_ranks(g.mul(g.reshape_3d(out, H, K, 1), w))
 
     def _oai_experts(self, moe: dict, h, sel, w):
         return self._moe_experts(moe, h, sel, w)  # GPT-OSS: the same segments, its own pairs
@@ -242,8 +253,8 @@ class _TierStepGraph(_StepGraph):
         self._run(0)
         for i in range(len(self._moe_specs)):
             if T == 1:
-                self._overlapped(i, phase, 1 + 3 * i)   # segments A, B; then the rest of the layer
-                self._run(3 + 3 * i)
+                self._overlapped(i, phase)              # segment A or two subsets; then the rest of the layer
+                self._run(self._a[i] + len(self._subsets[i]) + 1)
             else:
                 self._step(i, phase)
                 self._run(1 + i)
@@ -287,44 +298,43 @@ class _TierStepGraph(_StepGraph):
         self.spec.store.finish(pending)
         self._point(i, ids, pending)
 
-    def _overlapped(self, i: int, phase: int, seg: int) -> None:
-        """A decode step (``tiered._overlapped``'s way, in the graph): segment A computes every
-        pair while the reads run, the pairs of experts being read pointed at spare rows; once
-        read, segment B computes each of those pairs alone into its place. ggml computes each
-        (token, expert) pair on its own, so every pair's output is the one-pass output bit for bit."""
-        store = self.spec.store
+    def _overlapped(self, i: int, phase: int) -> None:
+        """A decode step: with reads to wait for, the subset of the RAM hits' pairs computes while
+        they run (on rows no read writes) and the subset of the read experts' pairs once they are
+        in; else segment A computes every pair. ggml computes each (token, expert) pair on its
+        own, so every pair's output is the one-pass output bit for bit."""
+        store, a = self.spec.store, self._a[i]
         ids, pending = self._start(i, phase)
-        experts = ids[0].tolist()                                                   # [K] expert ids
-        ranks = [k for k, e in enumerate(experts) if e in pending.reading]
         if pending.compact is not None:  # a compact copy: read first, the rows point into it
             store.finish(pending)
             self._point(i, ids, pending)
-            self._run(seg)
+            self._run(a)
             return
-        # one token, rows of the pool: rid [1, K] filled from a list (numpy's lookup-table fill,
-        # ``_point``, cost about 50 us a call, up to twice a layer)
-        rid = self._rid_views[i]
+        # one token, rows of the pool: filled from lists (numpy's lookup-table fill, ``_point``,
+        # cost about 50 us a call)
+        experts = ids[0].tolist()                                                   # [K] expert ids
         real = [pending.rows[e] for e in experts]                                   # [K] rows
         for p, leaf in self._leaves[i].items():
             leaf.contents.data = store._np[p].ctypes.data
         self._held = None
-        stand_ins = store.stand_ins(pending) if ranks else None
-        if stand_ins is None:  # nothing to overlap, or too few spare rows to compute beside the reads
+        late = [k for k, e in enumerate(experts) if e in pending.reading]
+        self.late_pairs += len(late)
+        if not late or len(late) == len(experts):  # nothing to compute beside the reads
             store.finish(pending)
-            rid[0] = real
-            self._run(seg)
+            self._rid_views[i][0] = real
+            self._run(a)
             return
         store.settle(pending)  # the readers on a core before the graph's threads take both
-        if len(ranks) < len(real):  # the RAM hits while the reads run (their rows are not written by them)
-            rid[0] = [stand_ins.get(e, r) for e, r in zip(experts, real)]
-            self._run(seg)
+        self._subset(i, [k for k in range(len(experts)) if k not in late], real)
         store.finish(pending)
-        rid[0] = real
-        row, rank = self._one_views[i]
-        for k in ranks:
-            row[0], rank[0] = real[k], k
-            self._run(seg + 1)
-        self.late_pairs += len(ranks)
+        self._subset(i, late, real)
+
+    def _subset(self, i: int, ranks: list[int], real: list[int]) -> None:
+        """MoE layer i's pairs of ``ranks`` alone, read at their rows of ``real`` [K]."""
+        rows, where = self._subsets[i][len(ranks) - 1]
+        rows[:] = [real[k] for k in ranks]
+        where[:] = ranks
+        self._run(self._a[i] + len(ranks))
 
     def __del__(self) -> None:
         if ggml._LIBS and getattr(self, "_ctx", None):
