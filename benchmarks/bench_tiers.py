@@ -18,12 +18,14 @@ limit, the same for both:
 The limit of a pair is the peak RSS of a calibration run of its tier (no limit) plus
 ``--slack`` (128 MiB: at 64 MiB the dense weights' page cache thrashed in the 50% limit).
 Each run is its own process, placed in the cgroup before it imports anything, after the page
-cache was dropped; configurations are interleaved over ``--repeats`` rounds, each round with
-its own all-in-RAM reference run (``host_memory='copy'``, no limit) whose tokens every run must
-produce. Bytes from disk: the process's ``/proc/self/io`` ``read_bytes`` during ``generate``.
-The disk bound: the O_DIRECT read bandwidth measured on the file (4 reader threads, 512 KiB
-blocks) over each run's disk bytes per decode token. Without a cgroup (not root, no v1 memory
-controller) the runs go unlimited and the script says so.
+cache was dropped; configurations are interleaved over ``--repeats`` rounds, each round between
+two all-in-RAM reference runs (``host_memory='copy'``, no limit; the round's all-in-RAM speed is
+their mean, since the machine's speed drifts) whose tokens every run must produce. Bytes from
+disk: the process's ``/proc/self/io`` ``read_bytes`` over the decode forwards, per decode token
+(with the prompt's reads too: ``all_disk_bytes_per_token``). The disk bound: the O_DIRECT read
+bandwidth measured on the file (4 reader threads, 512 KiB blocks) over a run's disk bytes per
+decode token; the bound: the lower of it and the all-in-RAM speed. Without a cgroup (not root,
+no v1 memory controller) the runs go unlimited and the script says so.
 
     flock /tmp/bench.lock python benchmarks/bench_tiers.py --dir /tmp/tiers-bench --tokens 32 \
         --repeats 3 --json benchmarks/results/bench_tiers.json --png benchmarks/results/bench_tiers.png
@@ -124,6 +126,15 @@ def child(spec: dict) -> None:
     ids = torch.tensor([PROMPT])
     cache = model.expertcache
     cache.reset_stats()
+    decoding = {}  # /proc/self/io as the first decode forward starts: the prompt's reads end there
+    forward = model.forward
+
+    def first_decode(*a, **kw):
+        x = kw.get("input_ids", a[0] if a else None)
+        if "io" not in decoding and x is not None and x.shape[1] == 1:
+            decoding["io"] = _io()
+        return forward(*a, **kw)
+    model.forward = first_decode
     before = _io()
     t0 = time.perf_counter()
     torch.manual_seed(0)  # sampled (seeded): greedy decoding of random weights repeats one token
@@ -137,6 +148,7 @@ def child(spec: dict) -> None:
     result = {"label": spec["label"], "load_s": load_s, "wall_s": wall, "prefill_s": rep["prefill"]["seconds"],
               "decode_tokens": dec_tokens, "decode_s": dec_s, "tok_s": dec_tokens / dec_s,
               "disk_read_bytes": after["read_bytes"] - before["read_bytes"],
+              "decode_disk_read_bytes": after["read_bytes"] - decoding.get("io", before)["read_bytes"],
               "rchar": after["rchar"] - before["rchar"], "tokens": out[0].tolist(),
               "peak_rss": _status("VmHWM"), "ggml_threads": ggml_threads(), "tier": tier,
               "host_memory": cache.host_mode[0], "cpu_graph": cache.cpu_graph}
@@ -259,7 +271,7 @@ def main() -> None:
         ref = run(model, "copy (all in RAM, reference)", ref_settings, args.tokens, args.threads, None, front)
         print(f"round {rnd + 1}: reference {ref.get('tok_s', 0):.2f} tok/s, peak RSS "
               f"{format_size(ref.get('peak_rss', 0))}", flush=True)
-        rows = []
+        runs = []
         for share in args.shares:
             limit = limits[share]["limit"]
             cgroup, cg_text = make_cgroup("expertcache-tiers", limit)
@@ -275,10 +287,17 @@ def main() -> None:
             for label, settings in configs:
                 r = run(model, label, settings, args.tokens, args.threads, cgroup, front)
                 r.update(limit=limit, pair=share, round=rnd + 1)
-                _score(r, ref, bandwidth)
-                rows.append(r)
-                print(_line(r, format_size), flush=True)
-        rounds.append({"reference": ref, "runs": rows})
+                runs.append(r)
+        # the reference again after the round's runs: the machine's speed drifts (other sessions'
+        # work); the round's all-in-RAM speed is the mean of the runs before and after
+        after = run(model, "copy (all in RAM, reference)", ref_settings, args.tokens, args.threads, None, front)
+        ref = _bracket(ref, after)
+        print(f"round {rnd + 1}: reference after {after.get('tok_s', 0):.2f} tok/s; all in RAM "
+              f"{ref.get('tok_s', 0):.2f} tok/s (mean)", flush=True)
+        for r in runs:
+            _score(r, ref, bandwidth)
+            print(_line(r, format_size), flush=True)
+        rounds.append({"reference": ref, "runs": runs})
     # per configuration, its fastest round (the least disturbed by other processes)
     best = {}
     for rnd in rounds:
@@ -322,17 +341,30 @@ def main() -> None:
         _plot(doc, Path(args.png))
 
 
+def _bracket(before: dict, after: dict) -> dict:
+    """The reference runs before and after a round's runs as one: their mean tok/s (both kept)."""
+    if "error" in before or "error" in after:
+        return before if "error" in after else after
+    if before["tokens"] != after["tokens"]:
+        raise SystemExit("the all-in-RAM runs before and after a round gave different tokens: not deterministic")
+    return {**before, "tok_s": (before["tok_s"] + after["tok_s"]) / 2,
+            "tok_s_before": before["tok_s"], "tok_s_after": after["tok_s"]}
+
+
 def _tier(share: int) -> dict:
     return dict(host_memory="tiered", host_budget=f"{share}%")
 
 
 def _score(r: dict, ref: dict, bandwidth: float) -> None:
-    """Disk bytes per decode token (prefill reads included), the bounds, the RAM hit rate."""
+    """Disk bytes per decode token (read by the decode forwards; with the prompt's reads too:
+    ``all_disk_bytes_per_token``), the bounds against the round's all-in-RAM speed, the RAM hit rate."""
     if "error" in r:
         return
-    r["disk_bytes_per_token"] = r["disk_read_bytes"] / r["decode_tokens"]
+    r["disk_bytes_per_token"] = r["decode_disk_read_bytes"] / r["decode_tokens"]
+    r["all_disk_bytes_per_token"] = r["disk_read_bytes"] / r["decode_tokens"]
     r["disk_bound_tok_s"] = bandwidth / r["disk_bytes_per_token"] if r["disk_bytes_per_token"] else None
     # the run cannot beat the all-in-RAM run's compute either: the bound is the lower of the two
+    r["all_in_ram_tok_s"] = ref.get("tok_s")
     r["bound_tok_s"] = min(b for b in (r["disk_bound_tok_s"], ref.get("tok_s")) if b)
     r["of_disk_bound"] = r["tok_s"] / r["disk_bound_tok_s"] if r["disk_bound_tok_s"] else None
     r["of_bound"] = r["tok_s"] / r["bound_tok_s"]

@@ -1,0 +1,35 @@
+"""``benchmarks/bench_tiers.py``'s scoring: decode-only disk bytes and the bracketing references."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_tiers.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_tiers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_references_before_and_after_a_round_score_as_their_mean(bench):
+    ref = bench._bracket({"tok_s": 60.0, "tokens": [1, 2]}, {"tok_s": 40.0, "tokens": [1, 2]})
+    assert ref["tok_s"] == 50.0 and (ref["tok_s_before"], ref["tok_s_after"]) == (60.0, 40.0)
+    assert bench._bracket({"error": "exit 1"}, {"tok_s": 40.0, "tokens": [1]})["tok_s"] == 40.0
+    with pytest.raises(SystemExit, match="different tokens"):
+        bench._bracket({"tok_s": 1.0, "tokens": [1]}, {"tok_s": 1.0, "tokens": [2]})
+
+
+def test_disk_bytes_per_token_count_the_decode_forwards_only(bench):
+    run = {"decode_disk_read_bytes": 10 << 20, "disk_read_bytes": 30 << 20, "decode_tokens": 10,
+           "tok_s": 40.0, "tokens": [1], "tier": None}
+    bench._score(run, {"tok_s": 50.0, "tokens": [1]}, bandwidth=2 << 20)   # 2 MiB/s: 2 tok/s on disk
+    assert run["disk_bytes_per_token"] == 1 << 20 and run["all_disk_bytes_per_token"] == 3 << 20
+    assert run["disk_bound_tok_s"] == 2.0 and run["bound_tok_s"] == 2.0 and run["of_bound"] == 20.0
+    assert run["tokens_equal_reference"] and run["ram_hit_rate"] is None
