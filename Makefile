@@ -36,13 +36,12 @@ demo: $(VENV)/.installed
 	$(BIN)/expertcache demo
 
 # The main suite, then the vLLM plug-in's tests and the Triton kernels' (interpreted) in their
-# own venv (built on first use). Each suite first compiles the policy kernels it uses into
-# numba's cache, in two processes (tests/warm_numba.py).
+# own venv (built on first use). The main suite's policy kernels are compiled into numba's cache
+# first, in two processes (tests/warm_numba.py).
 test: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	$(BIN)/python tests/warm_numba.py
 	$(BIN)/python -m pytest -n $(JOBS) -q
 	$(MAKE) test-vllm
-	$(MAKE) test-kernels
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
@@ -55,12 +54,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 vllm: $(VLLM_VENV)/.installed
 
-# The vLLM plug-in's tests, in .venv-vllm (in the main venv they skip). Two workers: most of
-# their time is one engine's single-threaded start and compile; worksteal spreads the two
-# separate-engine-process tests (about a minute each) over both.
+# The vLLM plug-in's tests and the Triton kernels' (interpreted), both in .venv-vllm (in the main
+# venv they skip), on two workers: most of their time is single-threaded (an engine's start and
+# compile, the interpreter), and worksteal spreads the two separate-engine-process tests (about a
+# minute each) over both.
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python tests/warm_numba.py lru default
-	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -n $(VLLM_JOBS) --dist worksteal -q -p no:randomly tests/vllm_plugin
+	VLLM_CACHE_ROOT=$$(mktemp -d) $(VLLM_VENV)/bin/python -m pytest -n $(VLLM_JOBS) --dist worksteal -q -p no:randomly \
+	  tests/vllm_plugin tests/kernels
 
 # The Triton kernels under Triton's interpreter on the CPU (.venv-vllm has Triton; the main venv
 # does not, and there they skip). Three subprocesses, about two minutes on 2 cores.

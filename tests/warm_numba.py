@@ -3,9 +3,10 @@
 ``python tests/warm_numba.py [POLICY ...]`` (default: all of ``POLICIES``) drives each policy
 through the paths the tests take (a replay, a lagged replay, a ``SlotTable``'s seed and steps),
 so every entry point is compiled with the argument types the tests pass, in two processes that
-take every other policy. ``make test`` runs it before each suite: on a cold cache pytest-xdist's
-workers each compiled the kernels they met, some twice (2-core sandbox: the main suite took
-6:32 cold, 3:46 warm). The vLLM venv has another numba, whose cache index is its own.
+take every other policy. ``make test`` runs it before the main suite: on a cold cache
+pytest-xdist's workers each compiled the kernels they met, some twice (2-core sandbox: the main
+suite took 6:32 cold, 3:46 warm). The vLLM suite does not: its venv's numba (0.65, vLLM's pin)
+keeps a cache index of its own, and warming its two policies first gained nothing there.
 """
 
 from __future__ import annotations
