@@ -113,6 +113,7 @@ def child(spec: dict) -> None:
     import torch
 
     import expertcache
+    from expertcache.decode_phases import bounds
     from expertcache.runtime.generate import report
     from expertcache.runtime.threads import ggml_threads
 
@@ -126,13 +127,21 @@ def child(spec: dict) -> None:
     ids = torch.tensor([PROMPT])
     cache = model.expertcache
     cache.reset_stats()
-    decoding = {}  # /proc/self/io as the first decode forward starts: the prompt's reads end there
+    # /proc/self/io as the first decode forward starts (the prompt's reads end there) and as the
+    # steady part of the decode starts (decode_phases.py; the first new token comes from the
+    # prompt's forward, so max_new_tokens - 1 decode forwards)
+    decoding, forwards = {}, [0]
+    steady_from = bounds(spec["tokens"] - 1)["steady"].start
     forward = model.forward
 
     def first_decode(*a, **kw):
         x = kw.get("input_ids", a[0] if a else None)
-        if "io" not in decoding and x is not None and x.shape[1] == 1:
-            decoding["io"] = _io()
+        if x is not None and x.shape[1] == 1:
+            if "io" not in decoding:
+                decoding["io"] = _io()
+            if forwards[0] == steady_from:
+                decoding["steady"] = _io()
+            forwards[0] += 1
         return forward(*a, **kw)
     model.forward = first_decode
     before = _io()
@@ -144,11 +153,16 @@ def child(spec: dict) -> None:
     rep = report(model)
     decode = [rep[f"decode_{p}"] for p in ("cold", "warm", "steady")]
     dec_tokens, dec_s = sum(p["tokens"] for p in decode), sum(p["seconds"] for p in decode)
+    steady = rep["decode_steady"]  # past the first quarter of the decode: the tier has filled
     tier = cache.stats().pool.get("tier")
     result = {"label": spec["label"], "load_s": load_s, "wall_s": wall, "prefill_s": rep["prefill"]["seconds"],
               "decode_tokens": dec_tokens, "decode_s": dec_s, "tok_s": dec_tokens / dec_s,
+              "steady_tok_s": steady["tokens"] / steady["seconds"] if steady["tokens"] else None,
               "disk_read_bytes": after["read_bytes"] - before["read_bytes"],
               "decode_disk_read_bytes": after["read_bytes"] - decoding.get("io", before)["read_bytes"],
+              "steady_tokens": steady["tokens"],
+              "steady_disk_read_bytes": after["read_bytes"] - decoding["steady"]["read_bytes"]
+              if "steady" in decoding else None,
               "rchar": after["rchar"] - before["rchar"], "tokens": out[0].tolist(),
               "peak_rss": _status("VmHWM"), "ggml_threads": ggml_threads(), "tier": tier,
               "host_memory": cache.host_mode[0], "cpu_graph": cache.cpu_graph}
@@ -318,7 +332,7 @@ def main() -> None:
         doc["goals"] = {"speedup_25_vs_mmap": t25["tok_s"] / mm["tok_s"],
                         "disk_bytes_ratio_25_vs_mmap": t25["disk_bytes_per_token"] / mm["disk_bytes_per_token"]
                         if mm["disk_bytes_per_token"] else None,
-                        "of_bound_25": t25["of_bound"],
+                        "of_bound_25": t25["of_bound"], "of_bound_25_steady": t25.get("of_bound_steady"),
                         "tokens_equal": all(r.get("tokens_equal_reference") for rnd in rounds for r in rnd["runs"])}
         per_round = []  # the same ratios side by side within each round
         for rnd in rounds:
@@ -329,6 +343,7 @@ def main() -> None:
                 per_round.append({"speedup_25_vs_mmap": a["tok_s"] / b["tok_s"],
                                   "disk_bytes_ratio_25_vs_mmap": a["disk_bytes_per_token"] / b["disk_bytes_per_token"],
                                   "of_bound_25": a["of_bound"], "of_disk_bound_25": a["of_disk_bound"],
+                                  "of_bound_25_steady": a.get("of_bound_steady"),
                                   **({"graph_vs_per_layer_25": a["tok_s"] / c["tok_s"]} if c else {}),
                                   **({"repacked_vs_plain_rows_25": a["tok_s"] / plain["tok_s"]} if plain else {})})
         doc["goals"]["per_round"] = per_round
@@ -347,7 +362,9 @@ def _bracket(before: dict, after: dict) -> dict:
         return before if "error" in after else after
     if before["tokens"] != after["tokens"]:
         raise SystemExit("the all-in-RAM runs before and after a round gave different tokens: not deterministic")
-    return {**before, "tok_s": (before["tok_s"] + after["tok_s"]) / 2,
+    steady = None if None in (before.get("steady_tok_s"), after.get("steady_tok_s")) else \
+        (before["steady_tok_s"] + after["steady_tok_s"]) / 2
+    return {**before, "tok_s": (before["tok_s"] + after["tok_s"]) / 2, "steady_tok_s": steady,
             "tok_s_before": before["tok_s"], "tok_s_after": after["tok_s"]}
 
 
@@ -368,6 +385,13 @@ def _score(r: dict, ref: dict, bandwidth: float) -> None:
     r["bound_tok_s"] = min(b for b in (r["disk_bound_tok_s"], ref.get("tok_s")) if b)
     r["of_disk_bound"] = r["tok_s"] / r["disk_bound_tok_s"] if r["disk_bound_tok_s"] else None
     r["of_bound"] = r["tok_s"] / r["bound_tok_s"]
+    # the same past the decode's first quarter (decode_phases.py 'steady'): its own disk bytes,
+    # against the reference's steady speed
+    r["of_bound_steady"] = None
+    if r.get("steady_tok_s") and ref.get("steady_tok_s") and r.get("steady_disk_read_bytes") is not None:
+        per_token = r["steady_disk_read_bytes"] / r["steady_tokens"]
+        disk = bandwidth / per_token if per_token else None
+        r["of_bound_steady"] = r["steady_tok_s"] / min(b for b in (disk, ref["steady_tok_s"]) if b)
     r["tokens_equal_reference"] = r["tokens"] == ref.get("tokens")
     d = (r["tier"] or {}).get("decode", {})
     r["ram_hit_rate"] = d["ram_hits"] / d["accesses"] if d.get("accesses") else None
@@ -381,14 +405,16 @@ def _line(r: dict, format_size) -> str:
     ahead = "" if not ahead else f", read ahead {ahead['read_ahead']} experts ({ahead['used']} used)"
     return (f"{r['label']} (limit {format_size(r['limit'])}, graph {r.get('cpu_graph')}{ahead}): {r['tok_s']:.2f} tok/s, "
             f"{format_size(r['disk_bytes_per_token'])} from disk per token, RAM hits {hit}, "
-            f"{r['of_disk_bound']:.2f} of the disk bound, {r['of_bound']:.2f} of min(disk, all-in-RAM), "
-            f"tokens equal: {r['tokens_equal_reference']}")
+            f"{r['of_disk_bound']:.2f} of the disk bound, {r['of_bound']:.2f} of min(disk, all-in-RAM)"
+            + ("" if r.get("of_bound_steady") is None else f" ({r['of_bound_steady']:.2f} past the first quarter)")
+            + f", tokens equal: {r['tokens_equal_reference']}")
 
 
 def _table(rows: list[dict], format_size) -> None:
-    # of disk: tok/s over the disk bound; of bound: over min(disk bound, all-in-RAM tok/s)
+    # of disk: tok/s over the disk bound; of bound: over min(disk bound, all-in-RAM tok/s); steady:
+    # the same past the cold start and warm-up (decode_phases.py)
     print(f"{'config':<28}{'graph':>6}{'limit':>12}{'tok/s':>8}{'disk/token':>14}{'RAM hits':>10}"
-          f"{'disk bound':>12}{'of disk':>9}{'of bound':>10}{'peak cgroup':>13}")
+          f"{'disk bound':>12}{'of disk':>9}{'of bound':>10}{'steady':>8}{'peak cgroup':>13}")
     for r in rows:
         if "error" in r:
             print(f"{r['label']:<28} error")
@@ -396,7 +422,8 @@ def _table(rows: list[dict], format_size) -> None:
         hit = "-" if r["ram_hit_rate"] is None else f"{r['ram_hit_rate']:.3f}"
         print(f"{r['label']:<28}{r.get('cpu_graph', '?'):>6}{format_size(r['limit']):>12}{r['tok_s']:>8.2f}"
               f"{format_size(r['disk_bytes_per_token']):>14}{hit:>10}{r['disk_bound_tok_s'] or 0:>12.1f}"
-              f"{r['of_disk_bound'] or 0:>9.2f}{r['of_bound']:>10.2f}{format_size(r.get('cgroup_max_usage', 0)):>13}")
+              f"{r['of_disk_bound'] or 0:>9.2f}{r['of_bound']:>10.2f}{r.get('of_bound_steady') or 0:>8.2f}"
+              f"{format_size(r.get('cgroup_max_usage', 0)):>13}")
 
 
 def _machine() -> str:

@@ -33,3 +33,20 @@ def test_disk_bytes_per_token_count_the_decode_forwards_only(bench):
     assert run["disk_bytes_per_token"] == 1 << 20 and run["all_disk_bytes_per_token"] == 3 << 20
     assert run["disk_bound_tok_s"] == 2.0 and run["bound_tok_s"] == 2.0 and run["of_bound"] == 20.0
     assert run["tokens_equal_reference"] and run["ram_hit_rate"] is None
+
+
+def test_past_the_first_quarter_scores_its_own_disk_bytes_against_the_references_steady_speed(bench):
+    ref = bench._bracket({"tok_s": 60.0, "steady_tok_s": 64.0, "tokens": [1]},
+                         {"tok_s": 50.0, "steady_tok_s": 56.0, "tokens": [1]})
+    assert ref["steady_tok_s"] == 60.0
+    run = {"decode_disk_read_bytes": 10 << 20, "disk_read_bytes": 10 << 20, "decode_tokens": 10,
+           "steady_disk_read_bytes": 2 << 20, "steady_tokens": 4,
+           "tok_s": 33.0, "steady_tok_s": 45.0, "tokens": [1], "tier": None}
+    bench._score(run, ref, bandwidth=100 << 20)   # disk bounds 100 and 200 tok/s: above all-in-RAM
+    assert run["of_bound"] == 33.0 / 55.0 and run["of_bound_steady"] == 45.0 / 60.0
+    slow_disk = dict(run)
+    bench._score(slow_disk, ref, bandwidth=10 << 20)   # 10 tok/s over the decode, 20 past its quarter
+    assert slow_disk["of_bound"] == 33.0 / 10.0 and slow_disk["of_bound_steady"] == 45.0 / 20.0
+    short = {**run, "steady_tok_s": None}               # a run too short for a steady part
+    bench._score(short, ref, bandwidth=100 << 20)
+    assert short["of_bound_steady"] is None
