@@ -63,7 +63,8 @@ test-vllm: $(VLLM_VENV)/.installed
 	  tests/vllm_plugin tests/kernels
 
 # The Triton kernels under Triton's interpreter on the CPU (.venv-vllm has Triton; the main venv
-# does not, and there they skip). Three subprocesses, about two minutes on 2 cores.
+# does not, and there they skip). Three subprocesses, about 40 s on 2 cores (`make test` runs them
+# with the vLLM tests).
 test-kernels: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:randomly tests/kernels
 

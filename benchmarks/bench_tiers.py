@@ -379,10 +379,9 @@ def _score(r: dict, ref: dict, bandwidth: float) -> None:
         return
     r["disk_bytes_per_token"] = r["decode_disk_read_bytes"] / r["decode_tokens"]
     r["all_disk_bytes_per_token"] = r["disk_read_bytes"] / r["decode_tokens"]
-    r["disk_bound_tok_s"] = bandwidth / r["disk_bytes_per_token"] if r["disk_bytes_per_token"] else None
     # the run cannot beat the all-in-RAM run's compute either: the bound is the lower of the two
+    r["disk_bound_tok_s"], r["bound_tok_s"] = _bounds(bandwidth, r["disk_bytes_per_token"], ref.get("tok_s"))
     r["all_in_ram_tok_s"] = ref.get("tok_s")
-    r["bound_tok_s"] = min(b for b in (r["disk_bound_tok_s"], ref.get("tok_s")) if b)
     r["of_disk_bound"] = r["tok_s"] / r["disk_bound_tok_s"] if r["disk_bound_tok_s"] else None
     r["of_bound"] = r["tok_s"] / r["bound_tok_s"]
     # the same past the decode's first quarter (decode_phases.py 'steady'): its own disk bytes,
@@ -390,11 +389,16 @@ def _score(r: dict, ref: dict, bandwidth: float) -> None:
     r["of_bound_steady"] = None
     if r.get("steady_tok_s") and ref.get("steady_tok_s") and r.get("steady_disk_read_bytes") is not None:
         per_token = r["steady_disk_read_bytes"] / r["steady_tokens"]
-        disk = bandwidth / per_token if per_token else None
-        r["of_bound_steady"] = r["steady_tok_s"] / min(b for b in (disk, ref["steady_tok_s"]) if b)
+        r["of_bound_steady"] = r["steady_tok_s"] / _bounds(bandwidth, per_token, ref["steady_tok_s"])[1]
     r["tokens_equal_reference"] = r["tokens"] == ref.get("tokens")
     d = (r["tier"] or {}).get("decode", {})
     r["ram_hit_rate"] = d["ram_hits"] / d["accesses"] if d.get("accesses") else None
+
+
+def _bounds(bandwidth: float, bytes_per_token: float, ram_tok_s: float | None) -> tuple:
+    """(disk bound, the lower of it and the all-in-RAM speed) in tok/s; no bytes: no disk bound."""
+    disk = bandwidth / bytes_per_token if bytes_per_token else None
+    return disk, min(b for b in (disk, ram_tok_s) if b)
 
 
 def _line(r: dict, format_size) -> str:
