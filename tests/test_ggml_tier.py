@@ -239,7 +239,10 @@ def test_the_per_layer_path_reads_repacked_rows(q4_file, q4_resident, repack_row
     assert plain.expertcache.stats().pool["tier"]["repacked"] == [] and not plain.expertcache.kernels[0].packed
     ref = plain.generate(PROMPT, **KW)
     assert torch.equal(got.sequences, ref.sequences)
-    assert all(_rel(a, b) < 1e-5 for a, b in zip(got.logits, ref.logits))
+    # Not bit-equal: the repacked kernels quantize activations on their own (in blocks of rows).
+    # On an AVX-512 EPYC the logits drift by 7e-4..2e-3 from one decode step on (3e-7 before it,
+    # carried on by the KV cache); earlier Xeons stayed under 1e-5. Garbage would be ~1.
+    assert all(_rel(a, b) < 1e-2 for a, b in zip(got.logits, ref.logits))
     assert any(not torch.equal(a, b) for a, b in zip(got.logits, ref.logits))  # the repacked kernel ran
 
     prompt = torch.arange(300).remainder(250).unsqueeze(0)  # over one chunk: the per-layer path
