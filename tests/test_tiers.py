@@ -19,9 +19,10 @@ import expertcache  # noqa: E402
 from expertcache.config import CacheConfig, host_budget_rows  # noqa: E402
 from expertcache.integrations.record import record  # noqa: E402
 from expertcache.runtime.directio import (ALIGN, DirectFile, ExpertReadError, FileChangedError,  # noqa: E402
-                                          ReadPool, read_bandwidth)
+                                          READERS, ReadPool, read_bandwidth)
 from expertcache.sim.tiers import bound, replay_tiers  # noqa: E402
 from gguf_models import write_gguf  # noqa: E402
+from random_file import random_file  # noqa: E402
 
 PROMPT = torch.tensor([[5, 9, 77, 120, 3, 44, 200, 17]])
 NEW = 10
@@ -115,6 +116,27 @@ def test_tokens_equal_all_in_ram_and_sim_equals_live(model_file, want, settings)
     assert "RAM tier" in str(cache.stats())
 
 
+def test_kernel_aio_or_reader_threads_same_tokens(model_file, want, monkeypatch):
+    """The tier reads through kernel AIO where this machine allows it, else (and when turned off)
+    through reader threads, and says which and why; the tokens are the same either way."""
+    from expertcache.runtime.kernelaio import open_aio
+    probe = DirectFile(model_file, os.path.getsize(model_file))
+    pool, why = open_aio([probe])
+    probe.close()
+    if pool is not None:
+        pool.close()
+    for off in (False, True):
+        if off:
+            monkeypatch.setenv("EXPERTCACHE_AIO", "0")
+            why = why or "kernel AIO turned off (EXPERTCACHE_AIO=0)"
+        model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
+                                    host_budget=0.25)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False), want)
+        tier = model.expertcache.stats().pool["tier"]
+        assert tier["reader"] == ("kernel AIO" if pool is not None and not off else f"{READERS} reader threads ({why})")
+        assert tier["decode"]["file_reads"] > 0
+
+
 def test_a_step_wider_than_the_tier_reads_around_it(model_file, want):
     """8 RAM rows, a 8-token prompt needing more experts of a layer: bypassed experts are read into a
     compact copy for that step only, and the output does not change."""
@@ -144,16 +166,9 @@ def test_the_bound_is_belady_and_no_policy_beats_it(model_file):
 
 
 # -- reads ----------------------------------------------------------------------------------
-def _data_file(tmp_path, n=3 * ALIGN + 100):
-    path = tmp_path / "data.bin"
-    data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
-    return path, data
-
-
 @pytest.mark.parametrize("direct", [True, False])
 def test_unaligned_ranges_read_exactly(tmp_path, direct):
-    path, data = _data_file(tmp_path)
+    path, data = random_file(tmp_path)
     f = DirectFile(path, len(data), direct=direct)
     pool = ReadPool(2)
     try:
@@ -176,7 +191,7 @@ def test_settle_returns_once_each_reader_holds_a_read(tmp_path):
     not for them to end, and every read still lands exactly."""
     import threading
 
-    path, data = _data_file(tmp_path)
+    path, data = random_file(tmp_path)
     f = DirectFile(path, len(data))
     pool = ReadPool(2)
     gate, begun = threading.Event(), []
@@ -204,7 +219,7 @@ def test_settle_returns_once_each_reader_holds_a_read(tmp_path):
 
 
 def test_o_direct_refused_falls_back_and_says_so(tmp_path, monkeypatch):
-    path, data = _data_file(tmp_path)
+    path, data = random_file(tmp_path)
     real_open = os.open
 
     def refuse(p, flags, *a):
@@ -221,7 +236,7 @@ def test_o_direct_refused_falls_back_and_says_so(tmp_path, monkeypatch):
 
 
 def test_short_read_names_file_offset_and_expert(tmp_path):
-    path, data = _data_file(tmp_path)
+    path, data = random_file(tmp_path)
     f = DirectFile(path, len(data))
     os.truncate(path, ALIGN)  # the file shrinks under us
     with pytest.raises(ExpertReadError, match=rf"{path.name}: short read of layer 1 expert 7 .* at offset 5000"):
@@ -230,7 +245,7 @@ def test_short_read_names_file_offset_and_expert(tmp_path):
 
 
 def test_read_error_names_file_offset_and_expert(tmp_path):
-    path, data = _data_file(tmp_path)
+    path, data = random_file(tmp_path)
     f = DirectFile(path, len(data))
     real = f.fd
     f.fd = os.open(os.devnull, os.O_WRONLY)  # reading a write-only descriptor fails: EBADF
@@ -242,7 +257,7 @@ def test_read_error_names_file_offset_and_expert(tmp_path):
 
 
 def test_a_file_too_short_for_its_header_is_refused(tmp_path):
-    path, data = _data_file(tmp_path)
+    path, data = random_file(tmp_path)
     with pytest.raises(FileChangedError, match=r"header places expert bytes up to offset"):
         DirectFile(path, len(data) + 1)
 
@@ -263,7 +278,7 @@ def test_a_file_changed_under_the_model_is_caught(model_file, tmp_path):
 
 def test_descriptors_close_with_their_file(tmp_path):
     import gc
-    path, data = _data_file(tmp_path)
+    path, data = random_file(tmp_path)
     f = DirectFile(path, len(data))
     fd = f.fd
     del f
@@ -273,7 +288,7 @@ def test_descriptors_close_with_their_file(tmp_path):
 
 
 def test_read_bandwidth_is_measured(tmp_path):
-    path, _ = _data_file(tmp_path, 64 * ALIGN)
+    path, _ = random_file(tmp_path, 64 * ALIGN)
     assert read_bandwidth(path, block=8 * ALIGN) > 0
 
 
@@ -320,7 +335,7 @@ def test_probe_measures_the_disk(tmp_path, capsys):
 
     from expertcache.cli import main
     from expertcache.costmodel.hardware import load_hardware
-    path, _ = _data_file(tmp_path, 256 * ALIGN)
+    path, _ = random_file(tmp_path, 256 * ALIGN)
     out = tmp_path / "hw.json"
     assert main(["probe", "--seconds", "0.02", "--disk", str(path), "-o", str(out)]) == 0
     data = json.loads(out.read_text())

@@ -126,20 +126,30 @@ class DirectFile:
         try:
             got = os.preadv(self.fd, [view], start)
         except OSError as err:
-            raise ExpertReadError(err.errno, f"{self.path}: reading {what} ({n} bytes at offset {offset}) "
-                                             f"failed: {err.strerror}") from None
-        if got < offset - start + n:
-            raise ExpertReadError(f"{self.path}: short read of {what}: {max(got - (offset - start), 0)} of "
+            raise self.failed(err.errno, what, n, offset) from None
+        self.land(view[:got], start, offset, dst, what, put)
+        return ReadCounters(1, n, end - start, time.perf_counter() - t0)
+
+    def failed(self, code: int, what: str, n: int, offset: int) -> ExpertReadError:
+        """The error of a read of ``what`` that failed with errno ``code``."""
+        return ExpertReadError(code, f"{self.path}: reading {what} ({n} bytes at offset {offset}) failed: "
+                                     f"{os.strerror(code)}")
+
+    def land(self, got, start: int, offset: int, dst: np.ndarray, what: str, put=None) -> None:
+        """``got``: the bytes read from the aligned ``start``; ``dst.nbytes`` of them from ``offset`` into
+        ``dst`` (or ``put(address)``). A short read names the file, the range and ``what``."""
+        n = dst.nbytes
+        if len(got) < offset - start + n:
+            raise ExpertReadError(f"{self.path}: short read of {what}: {max(len(got) - (offset - start), 0)} of "
                                   f"{n} bytes at offset {offset}; the file is truncated or changed")
-        payload = np.frombuffer(view, np.uint8, n, offset - start)
+        payload = np.frombuffer(got, np.uint8, n, offset - start)
         if put is None:
             np.copyto(dst, payload)
         else:
             put(payload.ctypes.data)
         del payload  # the bounce buffer is exported while a view of it lives
         if not self.direct:
-            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
-        return ReadCounters(1, n, end - start, time.perf_counter() - t0)
+            os.posix_fadvise(self.fd, start, len(got), os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -152,6 +162,7 @@ class ReadPool:
 
     def __init__(self, threads: int = READERS) -> None:
         self.threads = threads
+        self.kind = f"{threads} reader threads"
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="expertcache-read")
 
     def submit(self, jobs: list[tuple], started: threading.Semaphore | None = None):

@@ -277,7 +277,8 @@ def tier_line(tier: dict) -> str:
     rate = f"{d['ram_hits'] / d['accesses']:.3f}" if d["accesses"] else "-"
     return (f"{tier['rows']} experts ({format_size(tier['bytes'])}), {tier['policy']}; decode RAM hit rate "
             f"{rate}, {d['file_reads']} experts read, {format_size(d['file_bytes_per_token'])} per token in "
-            f"{d['read_seconds']:.2f} s, {d.get('wait_seconds', 0):.2f} s waited ({tier['reads']})")
+            f"{d['read_seconds']:.2f} s, {d.get('wait_seconds', 0):.2f} s waited ({tier['reads']}, "
+            f"{tier['reader']})")
 
 
 def policy_label(config: dict) -> str:

@@ -26,6 +26,8 @@ every pair beside the reads instead, those being read on spare rows: ``TieredSto
 Before the hits' subset the step's first reads are settled on their reader threads
 (``ReadPool.settle``): the graph's threads spin between nodes on every core, and a reader woken
 after them waited for a core most of the compute (docs/tiers.md, "Where a decode token's time goes").
+With kernel AIO (runtime/kernelaio.py) there is nothing to settle: the reads are in the kernel
+when ``start`` returns, and their payloads land on this thread in ``finish``.
 The subsets run apart from A over one allocation, so the MoE input they read (``h``) is marked
 an output: ggml's allocator would otherwise give its memory to later nodes.
 
@@ -35,7 +37,7 @@ tier (a prompt's bypasses) points the layer's leaves at the step's compact copy 
 
 Read-ahead (decode steps): layer l+1's router applied to layer l's MoE input (the residual
 stream changes little from one layer to the next) guesses layer l+1's experts; those not in
-the tier are read into staging rows on the reader threads while segment l+1 computes. When
+the tier are read into staging rows (by the tier's reader) while segment l+1 computes. When
 layer l+1's step loads one of them, its bytes are copied from the staging row instead of read
 (``Prefetch.take``); the table plans the step as without the guess, so hits, loads and
 evictions do not change. ``stats()['tier']['prefetch']`` counts experts read ahead, those a
@@ -66,7 +68,7 @@ from ..quant import ggmlgraph as gg
 from ..quant.ggml import _InitParams, _Tensor
 from ..quant.ggmlgraph import GGML_TYPE_F32, GGML_TYPE_I32, GGML_TYPE_I64
 from ..stats import DECODE, PREFILL
-from .directio import ReadCounters, ReadPool
+from .directio import ReadCounters
 from .ggmlgraph import _CHUNK, GraphDecoder, Unsupported, _Spec, _StepGraph
 from .ggmlgraph import attach as _attach
 
@@ -347,7 +349,7 @@ class _TierStepGraph(_StepGraph):
 
 class Prefetch:
     """Experts of the next MoE layer, guessed, read ahead into ``width`` staging rows
-    (``staging[part]`` ``[width, stride]``) on the tier's reader threads.
+    (``staging[part]`` ``[width, stride]``) by the tier's reader.
 
     One batch at a time: ``issue`` first waits for what is left of the last batch (long read
     by then) and counts it wasted; ``take`` hands a step the bytes of an expert it loads.
@@ -406,7 +408,7 @@ class Prefetch:
         if expert not in self.batch:
             return None
         at, futures, t0 = self.batch.pop(expert)
-        got = ReadPool.collect(futures, t0)
+        got = self.store.reader.collect(futures, t0)
         for p, rng in self.store.layers[layer].items():
             self.store.put(layer, p, dst[p][row], self.staging[p][at, :rng.nbytes])
         self.used += 1
@@ -418,7 +420,7 @@ class Prefetch:
         if self.guess:
             self.precision = 0.8 * self.precision + 0.2 * self.loaded / len(self.guess)
         for _, futures, t0 in self.batch.values():
-            got = ReadPool.collect(futures, t0)
+            got = self.store.reader.collect(futures, t0)
             self.wasted += 1
             self.wasted_bytes += got.bytes
         self.batch, self.layer, self.guess, self.loaded = {}, None, set(), 0

@@ -5,8 +5,10 @@ to decide what stays (4 KiB pages, readahead past each expert, eviction that kno
 experts), the host keeps ``host_budget`` experts in rows of its own buffers (pinned with CUDA),
 chosen by a ``SlotTable`` under ``host_policy`` (any policy of the registry: the same code
 that runs the device slots and the simulator, so ``sim/tiers.py`` replays it exactly). A
-step's experts missing from RAM are read from the file with ``O_DIRECT`` by a few reader
-threads at once (``runtime/directio.py``), at the offsets the GGUF header gives.
+step's experts missing from RAM are read from the file with ``O_DIRECT``, all at once, at the
+offsets the GGUF header gives: through Linux's native AIO where it is allowed
+(``runtime/kernelaio.py``), else by a few reader threads (``runtime/directio.py``);
+``stats()['reader']`` says which, and why.
 
 Keys, phases and the step order are the device table's: the CPU engine's resident run asks
 the tier for every step's experts; a run with device slots asks it for the experts a slot
@@ -18,7 +20,8 @@ by layer); ``TieredExperts.tensors[part]`` is the ``[R, nbytes]`` view one layer
 
 Under the CPU engine's graph decode (runtime/ggmltier.py) the rows of the parts ggml repacks
 hold ggml's repacked layout (``repack_rows``): each read is repacked from its bounce buffer
-into the row on the reader thread, and every reader of the rows (the graph, the per-layer
+into the row as it lands (on the reader thread, or with kernel AIO on the thread that collects
+it), and every reader of the rows (the graph, the per-layer
 kernels, compact copies, read-ahead) reads them as repacked.
 """
 
@@ -40,6 +43,7 @@ from ..stats import DECODE, PREFILL
 from .device import free_memory
 from .directio import READERS, DirectFile, ReadCounters, ReadPool
 from .host import pinned_copy
+from .kernelaio import open_aio
 from .quantized import Codec
 
 
@@ -85,7 +89,7 @@ class PartRange:
 
 
 class TieredStore:
-    """The RAM tier of one model: rows, the table choosing them, the files and reader threads.
+    """The RAM tier of one model: rows, the table choosing them, the files and their reader.
 
     ``layers[l][part]``: that part's ``PartRange``; ``rows``: experts the tier holds;
     ``policy``: its eviction (a name, ``PolicySpec`` or instance); ``cuda``: pin the rows.
@@ -113,7 +117,10 @@ class TieredStore:
             next(f.mode_reason for f in self.files.values() if not f.direct)
         self.pool = {p: _buffer(rows, s, cuda) for p, s in self.stride.items()}
         self._np = {p: t.numpy() for p, t in self.pool.items()}
-        self.reader = ReadPool(threads)
+        self.reader, why = open_aio(self.files.values())
+        if self.reader is None:
+            self.reader = ReadPool(threads)
+            self.reader.kind += f" ({why})"
         self.before_write = None  # set by the engine with CUDA: waits for copies out of the rows
         self.ahead = None  # the graph decode's read-ahead (runtime/ggmltier.py Prefetch), counted here
         # per layer: part -> ggmlrepack.RowRepack for the parts whose rows hold ggml's repacked
@@ -266,7 +273,8 @@ class TieredStore:
         table = self.table.stats()
         out = {"rows": self.rows, "bytes": self.rows * self.row_bytes, "policy": self.table.eviction_name,
                "reads": "O_DIRECT" if self.direct else "buffered+DONTNEED", "read_reason": self.read_reason,
-               "reader_threads": self.reader.threads, "repacked": self.repacked_parts()}
+               "reader_threads": self.reader.threads, "reader": self.reader.kind,
+               "repacked": self.repacked_parts()}
         for phase, name in ((PREFILL, "prefill"), (DECODE, "decode")):
             sums, c = table.sums(phase), self.counts[phase]
             tok = self.tokens[phase]
