@@ -43,7 +43,7 @@ def main() -> None:
     import torch
 
     import expertcache
-    from expertcache.runtime import directio, ggmltier, tiered
+    from expertcache.runtime import directio, ggmltier, kernelaio, tiered
     from expertcache.runtime.generate import report
 
     torch.set_num_threads(args.threads)
@@ -92,6 +92,11 @@ def main() -> None:
         timed(ggmltier.Prefetch, "issue", lambda a: "python: Prefetch.issue (in _start)")
         timed(ggmltier.Prefetch, "drain", lambda a: "wait: Prefetch.drain")
         timed(G, "_compute", lambda a: "forward: _compute (whole graph)")
+        timed(tiered.SlotTable, "step", lambda a: "python: table step (in _start)")
+        timed(tiered.TieredStore, "_fill", lambda a: "python: reads planned (in _start)")
+        timed(directio.DirectFile, "check", lambda a: "python: file check (in _start)")
+        timed(kernelaio.AioPool, "submit", lambda a: "python: io_submit (in _start)")
+        timed(kernelaio.AioPool, "_land", lambda a: "wait: payload copied/repacked (in finish)")
         sub = directio.ReadPool.submit
 
         def submit(self, jobs, *rest):
