@@ -22,7 +22,7 @@ from random_file import random_file  # tests/ is on sys.path (not a package)
 def aio_file(tmp_path):
     """A data file opened with O_DIRECT and an ``AioPool`` over it; skipped (with the reason) where
     this machine's file system or kernel allows neither."""
-    path, data = random_file(tmp_path, 64 * ALIGN + 333)
+    path, data = random_file(tmp_path, 300 * ALIGN + 333)
     f = DirectFile(path, len(data))
     if not f.direct:
         f.close()
@@ -36,11 +36,13 @@ def aio_file(tmp_path):
     f.close()
 
 
-RANGES = [(0, 10), (5, ALIGN), (ALIGN - 3, 7), (2 * ALIGN + 1, ALIGN + 99), (60 * ALIGN, 4 * ALIGN + 333)]
+RANGES = [(0, 10), (5, ALIGN), (ALIGN - 3, 7), (2 * ALIGN + 1, ALIGN + 99), (296 * ALIGN, 4 * ALIGN + 333),
+          (ALIGN + 7, 128 * ALIGN + 5000)]
 
 
 def test_unaligned_ranges_read_exactly(aio_file):
-    """The ranges test_tiers.py reads through reader threads, and one near the end of the file."""
+    """The ranges test_tiers.py reads through reader threads, one to the end of the file, one
+    the size of a real expert part (half a MiB)."""
     _, data, f, pool = aio_file
     jobs = [(f, np.empty(n, np.uint8), off, f"range {off}") for off, n in RANGES]
     got = pool.read(jobs)
@@ -97,9 +99,9 @@ def test_short_read_names_file_offset_and_expert_after_the_batch(aio_file):
     os.truncate(path, 8 * ALIGN)  # the file shrinks under us
     fine = np.empty(100, np.uint8)
     jobs = [(f, fine, 10, "layer 0 expert 1 (up.weight)"),
-            (f, np.empty(100, np.uint8), 20 * ALIGN + 5, "layer 1 expert 7 (down.weight)")]
-    with pytest.raises(ExpertReadError, match=rf"{path.name}: short read of layer 1 expert 7 .* "
-                                              rf"at offset {20 * ALIGN + 5}; the file is truncated"):
+            (f, np.empty(20 * ALIGN, np.uint8), 5, "layer 1 expert 7 (down.weight)")]
+    with pytest.raises(ExpertReadError, match=rf"{path.name}: short read of layer 1 expert 7 .*: {8 * ALIGN - 5} of "
+                                              rf"{20 * ALIGN} bytes at offset 5; the file is truncated"):
         pool.read(jobs)
     assert not pool._flight and np.array_equal(fine, data[10:110])  # the batch's other read landed
 
