@@ -7,8 +7,12 @@ token, by wrapping the methods (nothing in the library changes):
 - each ggml segment call (``_run``: segment 0, A, the subsets, the rest of each layer),
 - the tier's step start (``_start``: the table, read submits, the read-ahead's issue),
 - the wait for reads (``TieredStore.finish``), ``_point`` (rows into ``rid``),
-- each read (``DirectFile.read_into``): queue time (submit -> start on a reader thread) and
-  its own time, per part (one expert is one read per part),
+- inside ``_start``: the table's step, the reads planned, the file check, ``io_submit``
+  (kernel AIO, runtime/kernelaio.py); inside ``finish``: each payload landed (copied or
+  repacked into its row),
+- with reader threads instead (``EXPERTCACHE_AIO=0``), each read (``DirectFile.read_into``):
+  queue time (submit -> start on a reader thread) and its own time, per part (one expert is
+  one read per part),
 - the rest: Python between segments and around the forward (sampling, transformers).
 
     flock /tmp/bench.lock env PYTHONPATH=src python benchmarks/profile_tier.py --dir /tmp/tiers-bench
