@@ -4,11 +4,13 @@ Loads the bench model (benchmarks/bench_tiers.py builds it) with ``host_memory='
 this process (no memory limit), decodes ``--tokens`` sampled tokens, and times, per decode
 token, by wrapping the methods (nothing in the library changes):
 
-- each ggml segment call (``_run``: segment 0, A, the subsets, the rest of each layer),
+- each ggml segment call (``_run``: segment 0; a layer without reads, A and the rest of the
+  layer; with reads, the hits' pairs beside them, then the land op, the read experts' pairs and
+  the rest of the layer),
 - the tier's step start (``_start``: the table, read submits, the read-ahead's issue),
 - the wait for reads (``TieredStore.finish``), ``_point`` (rows into ``rid``),
 - inside ``_start``: the table's step, the reads planned, the file check, ``io_submit``
-  (kernel AIO, runtime/kernelaio.py); inside ``finish``: each payload landed (copied or
+  (kernel AIO, runtime/kernelaio.py); in the land op, on either thread: each payload landed (copied or
   repacked into its row),
 - with reader threads instead (``EXPERTCACHE_AIO=0``), each read (``DirectFile.read_into``):
   queue time (submit -> start on a reader thread) and its own time, per part (one expert is
@@ -77,12 +79,13 @@ def main() -> None:
             return "run: prefill"
         if i == 0:
             return "run: segment 0 (embedding .. layer 0 router)"
-        for a, subsets in zip(self._a, self._subsets):
-            if i == a:
-                return "run: A (every pair; no reads)"
-            if a < i <= a + len(subsets):
-                return "run: subsets (the hits' beside reads, the read ones')"
-        return "run: rest of layer + next attention"
+        if i in self._a_rest:
+            return "run: A + rest of layer (no reads)"
+        if i in self._land_a_rest:
+            return "run: land + A + rest (every expert read)"
+        if any(i in segs for segs in self._land_rest):
+            return "run: land + the read experts' pairs + rest of layer"
+        return "run: the hits' pairs beside the reads"
 
     submitted = {}   # id(dst) -> submit time
     reads = []       # (queue seconds, read seconds, nbytes)
@@ -100,7 +103,7 @@ def main() -> None:
         timed(tiered.TieredStore, "_fill", lambda a: "python: reads planned (in _start)")
         timed(directio.DirectFile, "check", lambda a: "python: file check (in _start)")
         timed(kernelaio.AioPool, "submit", lambda a: "python: io_submit (in _start)")
-        timed(kernelaio.AioPool, "_land", lambda a: "wait: payload copied/repacked (in finish)")
+        timed(kernelaio.AioPool, "_land", lambda a: "land: each payload copied/repacked (both threads, summed)")
         sub = directio.ReadPool.submit
 
         def submit(self, jobs, *rest):

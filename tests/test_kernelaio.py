@@ -94,6 +94,48 @@ def test_a_batch_read_in_two_collects(aio_file):
         assert np.array_equal(dst, data[off:off + dst.nbytes])
 
 
+def test_two_threads_land_one_batch(aio_file):
+    """A ``Collector``'s ``work`` on two threads at once (the graph's land op): every payload lands
+    once and right, each thread takes some while the other repacks (its ``put`` holds both at a
+    barrier until the other thread took one), and ``result`` counts the batch as ``collect``."""
+    import threading
+
+    _, data, f, pool = aio_file
+    both = threading.Barrier(2, timeout=10)
+    landed_by = {}
+
+    def put_for(off, dst):
+        def put(address):
+            landed_by.setdefault(threading.get_ident(), []).append(off)
+            if len(landed_by[threading.get_ident()]) == 1:
+                both.wait()  # neither thread finishes its first payload before the other took one
+            np.copyto(dst, np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * dst.nbytes).from_address(address)))
+        return put
+    jobs = []
+    for off, n in RANGES:
+        dst = np.empty(n, np.uint8)
+        jobs.append((f, dst, off, f"range {off}", put_for(off, dst)))
+    landing = pool.collector(pool.submit(jobs), 0.0)
+    helper = threading.Thread(target=landing.work)
+    helper.start()
+    landing.work()
+    helper.join()
+    got = landing.result()
+    assert len(landed_by) == 2 and sorted(sum(landed_by.values(), [])) == sorted(off for off, _ in RANGES)
+    assert got.reads == len(RANGES) and got.bytes == sum(n for _, n in RANGES) and not pool._flight
+    assert all(np.array_equal(dst, data[off:off + dst.nbytes]) for _, dst, off, *_ in jobs)
+    assert landing.waited > 0
+
+
+def test_result_before_the_batch_landed_is_refused(aio_file):
+    _, _, f, pool = aio_file
+    landing = pool.collector(pool.submit([(f, np.empty(10, np.uint8), 0, "x")]), 0.0)
+    with pytest.raises(RuntimeError, match="before every read was landed"):
+        landing.result()
+    landing.work()
+    assert landing.result().reads == 1
+
+
 def test_short_read_names_file_offset_and_expert_after_the_batch(aio_file):
     path, data, f, pool = aio_file
     os.truncate(path, 8 * ALIGN)  # the file shrinks under us

@@ -276,6 +276,25 @@ def test_a_file_changed_under_the_model_is_caught(model_file, tmp_path):
         model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
 
 
+def test_a_failed_step_stops_the_tier(model_file, monkeypatch):
+    """The per-layer path: a read that fails ends the forward naming the expert; the rows its step
+    was filling may hold other experts' bytes, so every later step is refused, in one line."""
+    from expertcache.runtime import directio, tiered
+
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered",
+                                host_budget=0.25, cpu_graph="off")
+    land = directio.DirectFile.land
+
+    def failing(self, got, start, offset, dst, what, put=None):
+        raise self.failed(5, what, dst.nbytes, offset)
+    monkeypatch.setattr(directio.DirectFile, "land", failing)
+    with pytest.raises(ExpertReadError, match=r"reading layer 0 expert \d+ .* failed: Input/output error"):
+        model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+    monkeypatch.setattr(directio.DirectFile, "land", land)
+    with pytest.raises(tiered.TierBrokenError, match=r"RAM tier stopped after a failed step .*reload the model"):
+        model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+
+
 def test_descriptors_close_with_their_file(tmp_path):
     import gc
     path, data = random_file(tmp_path)

@@ -80,6 +80,10 @@ _TIER_FAMILIES = {"qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "olmoe", "
 SEGMENT_POLL = 50
 
 _declared_for = None
+# ggml_custom1_op_t: void (*)(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth, void * userdata)
+_LAND_OP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+_ALL_THREADS = -1  # GGML_N_TASKS_MAX: the op runs on every thread of the plan
+_FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: ggml's CPU backend computes only nodes marked so
 
 
 def _declare() -> None:
@@ -91,7 +95,8 @@ def _declare() -> None:
     P, T = ctypes.c_void_p, ctypes.POINTER(_Tensor)
     for name, restype, argtypes in [("ggml_graph_n_nodes", ctypes.c_int, [P]),
                                     ("ggml_graph_node", T, [P, ctypes.c_int]),
-                                    ("ggml_graph_add_node", None, [P, T])]:
+                                    ("ggml_graph_add_node", None, [P, T]),
+                                    ("ggml_map_custom1_inplace", T, [P, T, _LAND_OP, ctypes.c_int, P])]:
         fn = getattr(base, name)
         fn.restype, fn.argtypes = restype, argtypes
     _declared_for = base
@@ -145,6 +150,7 @@ class _TierStepGraph(_StepGraph):
         self._rid_views = [gg.int32_array(addr, (T, gg.ne(t)[0])) for t, addr in self._rid]        # [T, K]
         self._guess_views = [None if t is None else gg.int32_array(gg.view_src(t), (T, gg.ne(gg.view_src(t))[0]))
                              [:, :gg.ne(t)[0]] for t in self._guesses]                               # [T, K']
+        self._land_node()
         self._segments(n_threads)
         self._held = None  # a compact copy the next segment reads (a step wider than the tier)
         self.late_pairs = 0  # decode pairs computed after their expert was read
@@ -223,22 +229,63 @@ class _TierStepGraph(_StepGraph):
             return self._oai_pairs(moe, weights, [leaves[p] for _, p in moe["tier_biases"]], h, rows)
         return self._silu_pairs(weights, h, rows)
 
+    def _land_node(self) -> None:
+        """The op that lands a step's reads (``Collector.work``: each payload copied or repacked
+        into its row) on every thread of the graph's pool, first in the segment that computes
+        the read experts' pairs: both cores land, where one did while the pool's other worker
+        spun idle (``SEGMENT_POLL``). A Python callback: each thread takes the GIL between
+        payloads and releases it in each repack. Its tensor is a 1-float dummy of its own."""
+        b = self.g._base
+        self._land_ctx = b.ggml_init(_InitParams(4 * b.ggml_tensor_overhead() + 256, None, False))
+        dummy = b.ggml_new_tensor_1d(self._land_ctx, GGML_TYPE_F32, 1)
+        self._land_fn = _LAND_OP(self._land_op)  # alive as long as the graph
+        self._land = b.ggml_map_custom1_inplace(self._land_ctx, dummy, self._land_fn, _ALL_THREADS, None)
+        self._land.contents.flags |= _FLAG_COMPUTE  # what ggml_build_forward_expand marks: else skipped
+        self._landing = None     # the Collector the op runs, set around one segment's run
+        self._land_error = None  # what the op raised (a callback cannot raise through ggml)
+
+    def _land_op(self, dst, a, ith, nth, userdata) -> None:
+        landing = self._landing
+        if landing is None:
+            return
+        try:
+            landing.work()
+        except BaseException as err:  # noqa: BLE001 (raised after the segment: finish lands the rest)
+            self._land_error = self._land_error or err
+
     def _segments(self, n_threads: int) -> None:
         """Each span of nodes between two routers as a graph of its own, planned for the same
-        threads; one work buffer, the largest any of them needs."""
+        threads; one work buffer, the largest any of them needs. A decode layer's experts also
+        run joined to the rest of the layer (one call fewer): A and the rest (``_a_rest``), the
+        same after the land op (``_land_a_rest``), and each subset after the land op with the
+        rest (``_land_rest[i][j - 1]``)."""
         b, c, graph = self.g._base, self.g._cpu, self.g.graph
         bounds = [0, *self._splits, b.ggml_graph_n_nodes(graph)]
-        spans = list(zip(bounds, bounds[1:]))
-        size = sum(b.ggml_graph_overhead_custom(max(hi - lo, 1), False) for lo, hi in spans) + 4096
+        spans = [list(range(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+        nodes = [[b.ggml_graph_node(graph, n) for n in span] for span in spans]
+        joined = []
+        self._a_rest, self._land_a_rest, self._land_rest = [], [], []
+        for a, subsets in zip(self._a, self._subsets):
+            rest = nodes[a + len(subsets) + 1]
+            self._a_rest.append(len(nodes) + len(joined))
+            joined.append(nodes[a] + rest)
+            self._land_a_rest.append(len(nodes) + len(joined))
+            joined.append([self._land] + nodes[a] + rest)
+            self._land_rest.append([])
+            for j in range(1, len(subsets) + 1):
+                self._land_rest[-1].append(len(nodes) + len(joined))
+                joined.append([self._land] + nodes[a + j] + rest)
+        lists = nodes + joined
+        size = sum(b.ggml_graph_overhead_custom(max(len(n), 1), False) for n in lists) + 4096
         self._ctx = b.ggml_init(_InitParams(size, None, True))
         self._segs = []
         # segments run back to back with a little Python between them (about 25 calls a decode
         # token): a pool of their own whose workers poll between graphs (ggml._threadpool)
         pool = ggml._threadpool(n_threads, SEGMENT_POLL)
-        for lo, hi in spans:
-            seg = b.ggml_new_graph_custom(self._ctx, max(hi - lo, 1), False)
-            for n in range(lo, hi):
-                b.ggml_graph_add_node(seg, b.ggml_graph_node(graph, n))
+        for group in lists:
+            seg = b.ggml_new_graph_custom(self._ctx, max(len(group), 1), False)
+            for node in group:
+                b.ggml_graph_add_node(seg, node)
             self._segs.append((seg, c.ggml_graph_plan(seg, n_threads, pool)))
         self._seg_work = ctypes.create_string_buffer(max(max(p.work_size for _, p in self._segs), 1))
         for _, plan in self._segs:
@@ -255,8 +302,7 @@ class _TierStepGraph(_StepGraph):
         self._run(0)
         for i in range(len(self._moe_specs)):
             if T == 1:
-                self._overlapped(i, phase)              # segment A or two subsets; then the rest of the layer
-                self._run(self._a[i] + len(self._subsets[i]) + 1)
+                self._overlapped(i, phase)              # the layer's experts and the rest of the layer
             else:
                 self._step(i, phase)
                 self._run(1 + i)
@@ -301,16 +347,17 @@ class _TierStepGraph(_StepGraph):
         self._point(i, ids, pending)
 
     def _overlapped(self, i: int, phase: int) -> None:
-        """A decode step: with reads to wait for, the subset of the RAM hits' pairs computes while
-        they run (on rows no read writes) and the subset of the read experts' pairs once they are
-        in; else segment A computes every pair. ggml computes each (token, expert) pair on its
-        own, so every pair's output is the one-pass output bit for bit."""
-        store, a = self.spec.store, self._a[i]
+        """A decode step, then the rest of the layer: with reads to wait for, the subset of the RAM
+        hits' pairs computes while they run (on rows no read writes), and the subset of the read
+        experts' pairs once they are in, landed by the graph's threads; else segment A computes
+        every pair. ggml computes each (token, expert) pair on its own, so every pair's output is
+        the one-pass output bit for bit."""
+        store = self.spec.store
         ids, pending = self._start(i, phase)
         if pending.compact is not None:  # a compact copy: read first, the rows point into it
             store.finish(pending)
             self._point(i, ids, pending)
-            self._run(a)
+            self._run(self._a_rest[i])
             return
         # one token, rows of the pool: filled from lists (numpy's lookup-table fill, ``_point``,
         # cost about 50 us a call)
@@ -321,27 +368,50 @@ class _TierStepGraph(_StepGraph):
         self._held = None
         late = [k for k, e in enumerate(experts) if e in pending.reading]
         self.late_pairs += len(late)
-        if not late or len(late) == len(experts):  # nothing to compute beside the reads
+        if not late:
             store.finish(pending)
             self._rid_views[i][0] = real
-            self._run(a)
-            return
-        store.settle(pending)  # the readers on a core before the graph's threads take both
-        self._subset(i, [k for k in range(len(experts)) if k not in late], real)
-        store.finish(pending)
-        self._subset(i, late, real)
+            self._run(self._a_rest[i])
+        elif len(late) == len(experts):  # nothing to compute beside the reads
+            self._rid_views[i][0] = real
+            self._landed(pending, self._land_a_rest[i])
+        else:
+            store.settle(pending)  # the readers on a core before the graph's threads take both
+            self._subset(i, [k for k in range(len(experts)) if k not in late], real)
+            self._subset(i, late, real, pending)
 
-    def _subset(self, i: int, ranks: list[int], real: list[int]) -> None:
-        """MoE layer i's pairs of ``ranks`` alone, read at their rows of ``real`` [K]."""
+    def _subset(self, i: int, ranks: list[int], real: list[int], pending=None) -> None:
+        """MoE layer i's pairs of ``ranks`` alone, read at their rows of ``real`` [K]; with
+        ``pending``, once its reads are landed, then the rest of the layer."""
         rows, where = self._subsets[i][len(ranks) - 1]
         rows[:] = [real[k] for k in ranks]
         where[:] = ranks
-        self._run(self._a[i] + len(ranks))
+        if pending is None:
+            self._run(self._a[i] + len(ranks))
+        else:
+            self._landed(pending, self._land_rest[i][len(ranks) - 1])
+
+    def _landed(self, pending, segment: int) -> None:
+        """Run ``segment`` (the land op first) once ``pending``'s reads are in: landed by the op on
+        every thread (kernel AIO), or, with reader threads, waited for here first."""
+        store = self.spec.store
+        self._landing = store.landing(pending)
+        if self._landing is None:
+            store.finish(pending)
+        try:
+            self._run(segment)
+        finally:
+            self._landing = None
+            store.finish(pending)  # counted; lands what the op left (it raised, or never ran)
+        err, self._land_error = self._land_error, None
+        if err is not None:
+            raise err
 
     def __del__(self) -> None:
-        if ggml._LIBS and getattr(self, "_ctx", None):
-            self.g._base.ggml_free(self._ctx)
-            self._ctx = None
+        for name in ("_ctx", "_land_ctx"):
+            if ggml._LIBS and getattr(self, name, None):
+                self.g._base.ggml_free(getattr(self, name))
+                setattr(self, name, None)
         super_del = getattr(super(), "__del__", None)
         if super_del is not None:
             super_del()

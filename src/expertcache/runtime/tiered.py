@@ -60,6 +60,11 @@ class Pending:
     futures: list = field(default_factory=list)
     t0: float = 0.0
     started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))  # ReadPool.settle
+    landing: object = None  # a kernelaio.Collector, where threads other than ``finish``'s land the reads
+
+
+class TierBrokenError(RuntimeError):
+    """A step of the RAM tier failed after placing its loads; the tier refuses every later step."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,7 @@ class TieredStore:
         # per layer: part -> ggmlrepack.RowRepack for the parts whose rows hold ggml's repacked
         # layout (the graph decode's choice, ``repack_rows``); None: every row the file's bytes
         self.repack: list[dict] | None = None
+        self.broken = ""  # why a step failed after placing its loads (then every step is refused)
         self.reset_stats()
 
     def repack_rows(self, packers: list[dict]) -> None:
@@ -162,7 +168,22 @@ class TieredStore:
         ``ahead(layer, expert, dst, row)``: an expert read ahead of its step (the graph's prefetch,
         runtime/ggmltier.py) copied into ``dst[part][row]``, its ``ReadCounters``; or None: read it
         now. The table plans the step either way: its counts do not depend on the prefetch."""
+        if self.broken:
+            raise TierBrokenError(f"the RAM tier stopped after a failed step ({self.broken}); rows it was "
+                                  "filling may hold other experts' bytes: reload the model once the file reads")
         plan = self.table.step(layer, experts, phase)
+        try:
+            return self._start(layer, plan, phase, ahead)
+        except BaseException as err:
+            self._broke(err)
+            raise
+
+    def _broke(self, err: BaseException) -> None:
+        """A step failed after the table placed its loads: their rows may hold other experts' bytes
+        (or half of one), so every later step is refused (``TierBrokenError``), never computed."""
+        self.broken = self.broken or f"{type(err).__name__}: {err}"
+
+    def _start(self, layer: int, plan, phase: int, ahead) -> Pending:
         base = layer * self.num_experts
         rows = {key - base: slot for key, slot in plan.hits.items()}
         rows.update((key - base, slot) for key, slot in plan.loads.items())
@@ -213,19 +234,40 @@ class TieredStore:
         spare = [r for r in range(min(self.rows, len(taken) + len(need))) if r not in taken]
         return dict(zip(need, spare)) if len(spare) >= len(need) else None
 
+    def landing(self, pending: Pending):
+        """``pending``'s reads as a ``Collector`` (kernel AIO) whose ``work`` several threads may
+        run at once, landing payloads side by side (the graph's threads: runtime/ggmltier.py);
+        ``finish`` then counts them. None with reader threads (they land their own reads) or
+        nothing to read."""
+        make = getattr(self.reader, "collector", None)
+        if make is not None and pending.futures and pending.landing is None:
+            pending.landing = make(pending.futures, pending.t0)
+        return pending.landing
+
     def finish(self, pending: Pending) -> None:
         """Wait for ``pending``'s reads; count them (``read_seconds``: from their start, ``wait_seconds``:
         the part the caller waited for)."""
-        if pending.futures:
-            t = time.perf_counter()
-            got = self.reader.collect(pending.futures, pending.t0)
-            self.counts[pending.phase].add(got)
-            self.waited[pending.phase] += time.perf_counter() - t
-            pending.futures = []
+        try:
+            self._collect(pending)
+        except BaseException as err:
+            self._broke(err)
+            raise
         for row, slot in pending.copies.items():  # loads landed in the pool: into the compact copy too
             for p in pending.compact:
                 pending.compact[p][row] = self._np[p][slot]
         pending.copies = {}
+
+    def _collect(self, pending: Pending) -> None:
+        if pending.landing is not None:  # landed by the graph's threads (``landing``); what is left here
+            landing, pending.landing, pending.futures = pending.landing, None, []
+            landing.work()
+            self.counts[pending.phase].add(landing.result())
+            self.waited[pending.phase] += landing.waited
+        elif pending.futures:
+            futures, pending.futures = pending.futures, []
+            t = time.perf_counter()
+            self.counts[pending.phase].add(self.reader.collect(futures, pending.t0))
+            self.waited[pending.phase] += time.perf_counter() - t
 
     def _fill(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int, phase: int, ahead) -> list:
         """The reads that put ``expert`` into ``dst[part][row]``: none where ``ahead`` had it."""
