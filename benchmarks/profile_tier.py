@@ -9,7 +9,8 @@ token, by wrapping the methods (nothing in the library changes):
   the rest of the layer),
 - the tier's step start (``_start``: the table, read submits, the read-ahead's issue),
 - the wait for reads (``TieredStore.finish``), ``_point`` (rows into ``rid``),
-- inside ``_start``: the table's step, the reads planned, the file check, ``io_submit``
+- inside ``_start``: the reads started before the table's step (``_read_early``), the table's
+  step, the reads planned, the file check, ``io_submit``
   (kernel AIO, runtime/kernelaio.py); in the land op, on either thread: each payload landed (copied or
   repacked into its row),
 - with reader threads instead (``EXPERTCACHE_AIO=0``), each read (``DirectFile.read_into``):
@@ -101,6 +102,7 @@ def main() -> None:
         timed(G, "_compute", lambda a: "forward: _compute (whole graph)")
         timed(tiered.SlotTable, "step", lambda a: "python: table step (in _start)")
         timed(tiered.TieredStore, "_fill", lambda a: "python: reads planned (in _start)")
+        timed(tiered.TieredStore, "_read_early", lambda a: "python: reads started before the table (in _start)")
         timed(directio.DirectFile, "check", lambda a: "python: file check (in _start)")
         timed(kernelaio.AioPool, "submit", lambda a: "python: io_submit (in _start)")
         timed(kernelaio.AioPool, "_land", lambda a: "land: each payload copied/repacked (both threads, summed)")

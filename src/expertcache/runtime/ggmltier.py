@@ -469,6 +469,10 @@ class Prefetch:
             self.batch[e] = (row, self.store.reader.submit(jobs), t0)
         self.read += len(missing)
 
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether ``expert`` of ``layer`` is being read ahead (its step takes it, not reads it)."""
+        return layer == self.layer and expert in self.batch
+
     def take(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> ReadCounters | None:
         """Copy ``expert``'s bytes into ``dst[part][row]`` if it was read ahead: its counters."""
         if layer != self.layer or expert not in self.guess:

@@ -55,10 +55,12 @@ class _Event(ctypes.Structure):  # struct io_event
 class _Read:
     """One range in flight: where it goes, its bounce buffer, and (once reaped) its result."""
 
-    __slots__ = ("file", "dst", "offset", "what", "put", "start", "buf", "iocb", "t0", "res", "seconds")
+    __slots__ = ("file", "dst", "offset", "what", "put", "nbytes", "start", "buf", "iocb", "t0", "res", "seconds")
 
-    def __init__(self, file: DirectFile, dst: np.ndarray, offset: int, what: str, put=None) -> None:
+    def __init__(self, file: DirectFile, dst: np.ndarray | None, offset: int, what: str, put=None,
+                 nbytes: int | None = None) -> None:
         self.file, self.dst, self.offset, self.what, self.put = file, dst, offset, what, put
+        self.nbytes = dst.nbytes if nbytes is None else nbytes  # dst None: named later (``bind``)
         self.res: int | None = None  # bytes read, or -errno
 
     def done(self) -> bool:
@@ -90,7 +92,9 @@ class AioPool:
 
     # -- ReadPool's interface --------------------------------------------------------
     def submit(self, jobs: list[tuple], started=None) -> list[_Read]:
-        """Start ``(file, dst, offset, what[, put])`` reads; returns their handles for ``collect``."""
+        """Start ``(file, dst, offset, what[, put[, nbytes]])`` reads; returns their handles for
+        ``collect``. A read whose ``dst`` is None (``nbytes`` given) lands where ``bind`` names,
+        or nowhere (collected, not counted) if nothing is named by then."""
         reads = [_Read(*job) for job in jobs]
         with self._lock:
             for r in reads:
@@ -99,6 +103,13 @@ class AioPool:
             while pending:
                 pending = pending[self._enter(pending):]
         return reads
+
+    @staticmethod
+    def bind(read: _Read, dst: np.ndarray, put=None) -> None:
+        """Name where a read started without a destination lands (before it is collected)."""
+        if dst.nbytes != read.nbytes:
+            raise ValueError(f"a read of {read.nbytes} bytes ({read.what}) bound to {dst.nbytes} bytes")
+        read.dst, read.put = dst, put
 
     def settle(self, started, count: int, timeout: float = 0.01) -> None:
         """Nothing to wait for: every read is in the kernel once ``submit`` returns."""
@@ -136,7 +147,7 @@ class AioPool:
 
     # -- inside -------------------------------------------------------------------------
     def _prepare(self, r: _Read) -> None:
-        n = r.dst.nbytes
+        n = r.nbytes
         r.start = r.offset - r.offset % ALIGN
         size = -(-(r.offset + n) // ALIGN) * ALIGN - r.start
         r.buf = self._buffer(size)
@@ -186,7 +197,9 @@ class AioPool:
         """The read's payload into its destination; its counters (or the file's error)."""
         buf, r.buf = r.buf, None
         try:
-            n = r.dst.nbytes
+            n = r.nbytes
+            if r.dst is None:  # never bound: nothing wanted it
+                return ReadCounters()
             if r.res < 0:
                 raise r.file.failed(-r.res, r.what, n, r.offset)
             r.file.land(buf[:r.res], r.start, r.offset, r.dst, r.what, r.put)
