@@ -23,11 +23,18 @@ output. A step with reads runs the subset of its RAM hits' pairs while the reads
 no read writes), then the subset of the read experts' pairs once they are in; the weighted
 sum follows in the resident graph's order. (``tiered._overlapped``, the per-layer path, computes
 every pair beside the reads instead, those being read on spare rows: ``TieredStore.stand_ins``.)
-Before the hits' subset the step's first reads are settled on their reader threads
-(``ReadPool.settle``): the graph's threads spin between nodes on every core, and a reader woken
-after them waited for a core most of the compute (docs/tiers.md, "Where a decode token's time goes").
-With kernel AIO (runtime/kernelaio.py) there is nothing to settle: the reads are in the kernel
-when ``start`` returns, and their payloads land on this thread in ``finish``.
+The segment after the router runs joined to the rest of the layer (and the next attention):
+A + rest, or the land op + the read experts' subset + rest; one ggml call fewer a layer.
+
+With kernel AIO (runtime/kernelaio.py) the reads are in the kernel when ``start`` returns (those
+of experts missing from the tier even before the table plans the step), and the land op, a
+ggml custom op first in the read experts' segment, lands their payloads (copied or repacked
+into rows) on both of the graph's threads: ``Collector.work``, a Python callback that takes
+the GIL between payloads and releases it in each repack. Before it one thread landed them while
+the pool's other worker spun idle. With reader threads the step's first reads are settled
+before the hits' subset (``ReadPool.settle``: the graph's threads spin between nodes on every
+core, and a reader woken after them waited for a core most of the compute) and waited for
+before the land op, which then has nothing to do.
 The subsets run apart from A over one allocation, so the MoE input they read (``h``) is marked
 an output: ggml's allocator would otherwise give its memory to later nodes.
 
