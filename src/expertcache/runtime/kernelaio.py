@@ -11,6 +11,10 @@ on four reader threads, idle or beside two busy processes (docs/tiers.md, "Kerne
 Each read lands in a page-aligned bounce buffer (``O_DIRECT`` wants 4096-byte alignment of
 offset, length and address); ``collect`` copies (or repacks, ``put``) its payload into the
 destination row on the caller's thread, each as it completes, while the others still run.
+``collector`` hands the same work to several threads at once (``Collector.work``: the graph
+decode's two threads, runtime/ggmltier.py). A read may start before its destination is known
+(``dst`` None) and be given one later (``bind``): the tier reads a step's missing experts
+before its table has chosen their rows.
 
 Only with ``O_DIRECT`` (buffered reads under kernel AIO run synchronously inside
 ``io_submit``), on little-endian x86_64 and aarch64 (the syscall numbers and ``struct iocb``
@@ -257,7 +261,7 @@ class Collector:
 
     @property
     def waited(self) -> float:
-        return 0.0 if self.began is None else self.ended - self.began
+        return 0.0 if self.began is None else (self.ended or self.began) - self.began
 
     def result(self) -> ReadCounters:
         """The reads' counters, ``seconds`` the wall time since ``t0``; the first error raised."""

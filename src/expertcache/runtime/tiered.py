@@ -171,7 +171,8 @@ class TieredStore:
         if self.broken:
             raise TierBrokenError(f"the RAM tier stopped after a failed step ({self.broken}); rows it was "
                                   "filling may hold other experts' bytes: reload the model once the file reads")
-        early, t0 = self._read_early(layer, experts), time.perf_counter()
+        t0 = time.perf_counter()
+        early = self._read_early(layer, experts)
         plan = self.table.step(layer, experts, phase)
         try:
             return self._start(layer, plan, phase, ahead, early, t0)
@@ -185,8 +186,7 @@ class TieredStore:
         sooner (the table, the reads' plan and the file check: about 0.1 ms a layer); their
         payloads land in the rows the plan names (``AioPool.bind``) in ``finish``. expert -> its
         reads, one a part."""
-        bind = getattr(self.reader, "bind", None)
-        if bind is None or self.before_write is not None:  # CUDA: rows wait for copies first
+        if not hasattr(self.reader, "bind") or self.before_write is not None:  # CUDA: rows wait for copies first
             return {}
         base, ahead = layer * self.num_experts, self.ahead
         missing = [e for e in experts if self.table.slot_of(base + e) is None
