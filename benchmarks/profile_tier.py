@@ -5,13 +5,13 @@ this process (no memory limit), decodes ``--tokens`` sampled tokens, and times, 
 token, by wrapping the methods (nothing in the library changes):
 
 - each ggml segment call (``_run``: segment 0; a layer without reads, A and the rest of the
-  layer; with reads, the hits' pairs beside them, then the land op, the read experts' pairs and
-  the rest of the layer),
+  layer; with reads, the hits' pairs beside them, then the read experts' pairs and the rest of
+  the layer),
 - the tier's step start (``_start``: the table, read submits, the read-ahead's issue),
 - the wait for reads (``TieredStore.finish``), ``_point`` (rows into ``rid``),
 - inside ``_start``: the reads started before the table's step (``_read_early``), the table's
   step, the reads planned, the file check, ``io_submit``
-  (kernel AIO, runtime/kernelaio.py); in the land op, on either thread: each payload landed (copied or
+  (kernel AIO, runtime/kernelaio.py); inside ``finish``: each payload landed (copied or
   repacked into its row),
 - with reader threads instead (``EXPERTCACHE_AIO=0``), each read (``DirectFile.read_into``):
   queue time (submit -> start on a reader thread) and its own time, per part (one expert is
@@ -81,11 +81,9 @@ def main() -> None:
         if i == 0:
             return "run: segment 0 (embedding .. layer 0 router)"
         if i in self._a_rest:
-            return "run: A + rest of layer (no reads)"
-        if i in self._land_a_rest:
-            return "run: land + A + rest (every expert read)"
-        if any(i in segs for segs in self._land_rest):
-            return "run: land + the read experts' pairs + rest of layer"
+            return "run: A + rest of layer (no reads, or every expert read)"
+        if any(i in segs for segs in self._sub_rest):
+            return "run: the read experts' pairs + rest of layer"
         return "run: the hits' pairs beside the reads"
 
     submitted = {}   # id(dst) -> submit time
@@ -105,7 +103,7 @@ def main() -> None:
         timed(tiered.TieredStore, "_read_early", lambda a: "python: reads started before the table (in _start)")
         timed(directio.DirectFile, "check", lambda a: "python: file check (in _start)")
         timed(kernelaio.AioPool, "submit", lambda a: "python: io_submit (in _start)")
-        timed(kernelaio.AioPool, "_land", lambda a: "land: each payload copied/repacked (both threads, summed)")
+        timed(kernelaio.AioPool, "_land", lambda a: "wait: payload copied/repacked (in finish)")
         sub = directio.ReadPool.submit
 
         def submit(self, jobs, *rest):

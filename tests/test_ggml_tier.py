@@ -275,59 +275,51 @@ def test_the_graph_computes_only_the_hits_beside_the_reads(q4_file, q4_resident,
     """While a decode step's reads run, its subset segment computes the RAM hits' pairs alone, on
     rows no read writes, each row once (ggml's repacked ``mul_mat_id`` holds a row once a token:
     a row named twice overran its row table); once read, the other subset computes the read
-    experts' pairs, after the land op (with kernel AIO: run on every thread of the graph, the
-    payloads landed before the pairs read them). Every rank is computed once a step, and the
-    logits are the resident repacked run's bit for bit."""
-    import threading
-
-    from expertcache.runtime import ggmltier, kernelaio, tiered
+    experts' pairs (with the rest of the layer, in one call). Every rank is computed once a
+    step, and the logits are the resident repacked run's bit for bit."""
+    from expertcache.runtime import ggmltier, tiered
 
     model = _tiered(q4_file, 0.15)
-    step, beside, workers = {}, [], set()
-    start, subset, work = ggmltier._TierStepGraph._start, ggmltier._TierStepGraph._subset, kernelaio.Collector.work
+    step, beside = {}, []
+    start, finish, subset = ggmltier._TierStepGraph._start, tiered.TieredStore.finish, ggmltier._TierStepGraph._subset
 
     def started(self, i, phase):
         ids, pending = start(self, i, phase)
-        step.update(reading={pending.rows[e] for e in pending.reading}, ranks=[])
+        step.update(reading={pending.rows[e] for e in pending.reading}, done=False, ranks=[])
         return ids, pending
 
-    def checked(self, i, ranks, real, pending=None):
+    def finished(self, pending):
+        step["done"] = True
+        return finish(self, pending)
+
+    def checked(self, i, ranks, real, rest=False):
         rows = [real[k] for k in ranks]
         _no_row_twice_a_token(torch.tensor([rows]), f"a subset of layer {i}")
-        if pending is None:    # beside the reads: no row a read writes
+        assert rest == step["done"]  # the read pairs run with the rest of the layer
+        if not step["done"]:   # beside the reads: no row a read writes
             assert not set(rows) & step["reading"], (rows, step["reading"])
             beside.append(len(ranks))
         step["ranks"] += ranks
-        if pending is not None:  # the read pairs: with the hits', every rank once
+        if step["done"]:       # the read pairs: with the hits', every rank once
             assert sorted(step["ranks"]) == list(range(len(real)))
-        return subset(self, i, ranks, real, pending)
-
-    def working(self):
-        workers.add(threading.get_ident())
-        return work(self)
+        return subset(self, i, ranks, real, rest)
 
     monkeypatch.setattr(ggmltier._TierStepGraph, "_start", started)
+    monkeypatch.setattr(tiered.TieredStore, "finish", finished)
     monkeypatch.setattr(ggmltier._TierStepGraph, "_subset", checked)
-    monkeypatch.setattr(kernelaio.Collector, "work", working)
     got = model.generate(PROMPT, **KW)
     graph = model._expertcache_graph
     assert graph.steps == NEW - 1 and beside   # some steps computed their hits beside reads
     assert sum(g.late_pairs for g in graph.graphs.values()) > NEW
-    if model.expertcache.tier.reader.kind == "kernel AIO":  # the land op ran on the pool's worker too
-        assert len(workers - {threading.get_ident()}) == 1, workers
-    else:                                                   # reader threads land their own reads
-        assert not workers
     ref = q4_resident["auto"]
     assert torch.equal(got.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
 
 
-def test_a_read_error_landed_in_the_graph_names_the_expert(q4_file, monkeypatch):
-    """A read that fails while the land op lands it (on either of the graph's threads) ends the
-    forward with the file, offset and expert named, once every read of the step is in: the op
-    cannot raise through ggml, so the step raises it after the segment. The rows that step was
-    filling may hold other experts' bytes, so the tier refuses every later step, never computes
-    them."""
+def test_a_read_error_in_the_graph_names_the_expert_and_stops_the_tier(q4_file, monkeypatch):
+    """A read that fails while a decode step's payloads land ends the forward with the file, offset
+    and expert named, once every read of the step is in. The rows that step was filling may hold
+    other experts' bytes, so the tier refuses every later step, never computes them."""
     from expertcache.runtime import directio, tiered
 
     model = _tiered(q4_file, 0.15)

@@ -94,46 +94,20 @@ def test_a_batch_read_in_two_collects(aio_file):
         assert np.array_equal(dst, data[off:off + dst.nbytes])
 
 
-def test_two_threads_land_one_batch(aio_file):
-    """A ``Collector``'s ``work`` on two threads at once (the graph's land op): every payload lands
-    once and right, each thread takes some while the other repacks (its ``put`` holds both at a
-    barrier until the other thread took one), and ``result`` counts the batch as ``collect``."""
-    import threading
-
+def test_a_read_bound_after_its_submit(aio_file):
+    """A read started without a destination (the tier's step reads its missing experts before the
+    table chooses their rows) lands where ``bind`` names; one never bound is collected and lands
+    nowhere; a destination of another size is refused."""
     _, data, f, pool = aio_file
-    both = threading.Barrier(2, timeout=10)
-    landed_by = {}
-
-    def put_for(off, dst):
-        def put(address):
-            landed_by.setdefault(threading.get_ident(), []).append(off)
-            if len(landed_by[threading.get_ident()]) == 1:
-                both.wait()  # neither thread finishes its first payload before the other took one
-            np.copyto(dst, np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * dst.nbytes).from_address(address)))
-        return put
-    jobs = []
-    for off, n in RANGES:
-        dst = np.empty(n, np.uint8)
-        jobs.append((f, dst, off, f"range {off}", put_for(off, dst)))
-    landing = pool.collector(pool.submit(jobs), 0.0)
-    helper = threading.Thread(target=landing.work)
-    helper.start()
-    landing.work()
-    helper.join()
-    got = landing.result()
-    assert len(landed_by) == 2 and sorted(sum(landed_by.values(), [])) == sorted(off for off, _ in RANGES)
-    assert got.reads == len(RANGES) and got.bytes == sum(n for _, n in RANGES) and not pool._flight
-    assert all(np.array_equal(dst, data[off:off + dst.nbytes]) for _, dst, off, *_ in jobs)
-    assert landing.waited > 0
-
-
-def test_result_before_the_batch_landed_is_refused(aio_file):
-    _, _, f, pool = aio_file
-    landing = pool.collector(pool.submit([(f, np.empty(10, np.uint8), 0, "x")]), 0.0)
-    with pytest.raises(RuntimeError, match="before every read was landed"):
-        landing.result()
-    landing.work()
-    assert landing.result().reads == 1
+    (off, n), (off2, n2) = RANGES[3], RANGES[5]
+    reads = pool.submit([(f, None, off, "bound", None, n), (f, None, off2, "never bound", None, n2)])
+    with pytest.raises(ValueError, match=rf"a read of {n} bytes \(bound\) bound to {n + 1} bytes"):
+        pool.bind(reads[0], np.empty(n + 1, np.uint8))
+    dst = np.empty(n, np.uint8)
+    pool.bind(reads[0], dst)
+    got = pool.collect(reads, 0.0)
+    assert np.array_equal(dst, data[off:off + n])
+    assert got.reads == 1 and got.bytes == n and not pool._flight
 
 
 def test_short_read_names_file_offset_and_expert_after_the_batch(aio_file):

@@ -23,18 +23,17 @@ output. A step with reads runs the subset of its RAM hits' pairs while the reads
 no read writes), then the subset of the read experts' pairs once they are in; the weighted
 sum follows in the resident graph's order. (``tiered._overlapped``, the per-layer path, computes
 every pair beside the reads instead, those being read on spare rows: ``TieredStore.stand_ins``.)
-The segment after the router runs joined to the rest of the layer (and the next attention):
-A + rest, or the land op + the read experts' subset + rest; one ggml call fewer a layer.
+The experts' last segment runs joined to the rest of the layer (and the next attention): A +
+rest, or the read experts' subset + rest; one ggml call fewer a layer.
 
 With kernel AIO (runtime/kernelaio.py) the reads are in the kernel when ``start`` returns (those
-of experts missing from the tier even before the table plans the step), and the land op, a
-ggml custom op first in the read experts' segment, lands their payloads (copied or repacked
-into rows) on both of the graph's threads: ``Collector.work``, a Python callback that takes
-the GIL between payloads and releases it in each repack. Before it one thread landed them while
-the pool's other worker spun idle. With reader threads the step's first reads are settled
-before the hits' subset (``ReadPool.settle``: the graph's threads spin between nodes on every
-core, and a reader woken after them waited for a core most of the compute) and waited for
-before the land op, which then has nothing to do.
+of experts missing from the tier even before the table plans the step), and their payloads land
+on this thread in ``finish``. (Landing them on both of the graph's threads, in a ggml custom op
+over a Python callback, was tried: 2% faster back to back, 4-6% slower right after another large
+process ran, where the pool's worker, asleep on the GIL or in ``io_getevents``, woke late;
+docs/tiers.md.) With reader threads the step's first reads are settled before the hits' subset
+(``ReadPool.settle``): the graph's threads spin between nodes on every core, and a reader woken
+after them waited for a core most of the compute.
 The subsets run apart from A over one allocation, so the MoE input they read (``h``) is marked
 an output: ggml's allocator would otherwise give its memory to later nodes.
 
@@ -87,10 +86,6 @@ _TIER_FAMILIES = {"qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "olmoe", "
 SEGMENT_POLL = 50
 
 _declared_for = None
-# ggml_custom1_op_t: void (*)(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth, void * userdata)
-_LAND_OP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
-_ALL_THREADS = -1  # GGML_N_TASKS_MAX: the op runs on every thread of the plan
-_FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: ggml's CPU backend computes only nodes marked so
 
 
 def _declare() -> None:
@@ -102,8 +97,7 @@ def _declare() -> None:
     P, T = ctypes.c_void_p, ctypes.POINTER(_Tensor)
     for name, restype, argtypes in [("ggml_graph_n_nodes", ctypes.c_int, [P]),
                                     ("ggml_graph_node", T, [P, ctypes.c_int]),
-                                    ("ggml_graph_add_node", None, [P, T]),
-                                    ("ggml_map_custom1_inplace", T, [P, T, _LAND_OP, ctypes.c_int, P])]:
+                                    ("ggml_graph_add_node", None, [P, T])]:
         fn = getattr(base, name)
         fn.restype, fn.argtypes = restype, argtypes
     _declared_for = base
@@ -157,7 +151,6 @@ class _TierStepGraph(_StepGraph):
         self._rid_views = [gg.int32_array(addr, (T, gg.ne(t)[0])) for t, addr in self._rid]        # [T, K]
         self._guess_views = [None if t is None else gg.int32_array(gg.view_src(t), (T, gg.ne(gg.view_src(t))[0]))
                              [:, :gg.ne(t)[0]] for t in self._guesses]                               # [T, K']
-        self._land_node()
         self._segments(n_threads)
         self._held = None  # a compact copy the next segment reads (a step wider than the tier)
         self.late_pairs = 0  # decode pairs computed after their expert was read
@@ -236,52 +229,25 @@ class _TierStepGraph(_StepGraph):
             return self._oai_pairs(moe, weights, [leaves[p] for _, p in moe["tier_biases"]], h, rows)
         return self._silu_pairs(weights, h, rows)
 
-    def _land_node(self) -> None:
-        """The op that lands a step's reads (``Collector.work``: each payload copied or repacked
-        into its row) on every thread of the graph's pool, first in the segment that computes
-        the read experts' pairs: both cores land, where one did while the pool's other worker
-        spun idle (``SEGMENT_POLL``). A Python callback: each thread takes the GIL between
-        payloads and releases it in each repack. Its tensor is a 1-float dummy of its own."""
-        b = self.g._base
-        self._land_ctx = b.ggml_init(_InitParams(4 * b.ggml_tensor_overhead() + 256, None, False))
-        dummy = b.ggml_new_tensor_1d(self._land_ctx, GGML_TYPE_F32, 1)
-        self._land_fn = _LAND_OP(self._land_op)  # alive as long as the graph
-        self._land = b.ggml_map_custom1_inplace(self._land_ctx, dummy, self._land_fn, _ALL_THREADS, None)
-        self._land.contents.flags |= _FLAG_COMPUTE  # what ggml_build_forward_expand marks: else skipped
-        self._landing = None     # the Collector the op runs, set around one segment's run
-        self._land_error = None  # what the op raised (a callback cannot raise through ggml)
-
-    def _land_op(self, dst, a, ith, nth, userdata) -> None:
-        landing = self._landing
-        if landing is None:
-            return
-        try:
-            landing.work()
-        except BaseException as err:  # noqa: BLE001 (raised after the segment: finish lands the rest)
-            self._land_error = self._land_error or err
-
     def _segments(self, n_threads: int) -> None:
         """Each span of nodes between two routers as a graph of its own, planned for the same
         threads; one work buffer, the largest any of them needs. A decode layer's experts also
-        run joined to the rest of the layer (one call fewer): A and the rest (``_a_rest``), the
-        same after the land op (``_land_a_rest``), and each subset after the land op with the
-        rest (``_land_rest[i][j - 1]``)."""
+        run joined to the rest of the layer (one call fewer): A and the rest (``_a_rest``), and
+        each subset with the rest (``_sub_rest[i][j - 1]``: the read experts' pairs)."""
         b, c, graph = self.g._base, self.g._cpu, self.g.graph
         bounds = [0, *self._splits, b.ggml_graph_n_nodes(graph)]
         spans = [list(range(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
         nodes = [[b.ggml_graph_node(graph, n) for n in span] for span in spans]
         joined = []
-        self._a_rest, self._land_a_rest, self._land_rest = [], [], []
+        self._a_rest, self._sub_rest = [], []
         for a, subsets in zip(self._a, self._subsets):
             rest = nodes[a + len(subsets) + 1]
             self._a_rest.append(len(nodes) + len(joined))
             joined.append(nodes[a] + rest)
-            self._land_a_rest.append(len(nodes) + len(joined))
-            joined.append([self._land] + nodes[a] + rest)
-            self._land_rest.append([])
+            self._sub_rest.append([])
             for j in range(1, len(subsets) + 1):
-                self._land_rest[-1].append(len(nodes) + len(joined))
-                joined.append([self._land] + nodes[a + j] + rest)
+                self._sub_rest[-1].append(len(nodes) + len(joined))
+                joined.append(nodes[a + j] + rest)
         lists = nodes + joined
         size = sum(b.ggml_graph_overhead_custom(max(len(n), 1), False) for n in lists) + 4096
         self._ctx = b.ggml_init(_InitParams(size, None, True))
@@ -356,8 +322,7 @@ class _TierStepGraph(_StepGraph):
     def _overlapped(self, i: int, phase: int) -> None:
         """A decode step, then the rest of the layer: with reads to wait for, the subset of the RAM
         hits' pairs computes while they run (on rows no read writes), and the subset of the read
-        experts' pairs once they are in, landed by the graph's threads; else segment A computes
-        every pair. ggml computes each (token, expert) pair on its own, so every pair's output is
+        experts' pairs once they are in; else segment A computes every pair. ggml computes each (token, expert) pair on its own, so every pair's output is
         the one-pass output bit for bit."""
         store = self.spec.store
         ids, pending = self._start(i, phase)
@@ -375,50 +340,28 @@ class _TierStepGraph(_StepGraph):
         self._held = None
         late = [k for k, e in enumerate(experts) if e in pending.reading]
         self.late_pairs += len(late)
-        if not late:
+        if not late or len(late) == len(experts):  # nothing to compute beside the reads
             store.finish(pending)
             self._rid_views[i][0] = real
             self._run(self._a_rest[i])
-        elif len(late) == len(experts):  # nothing to compute beside the reads
-            self._rid_views[i][0] = real
-            self._landed(pending, self._land_a_rest[i])
-        else:
-            store.settle(pending)  # the readers on a core before the graph's threads take both
-            self._subset(i, [k for k in range(len(experts)) if k not in late], real)
-            self._subset(i, late, real, pending)
+            return
+        store.settle(pending)  # the readers on a core before the graph's threads take both
+        self._subset(i, [k for k in range(len(experts)) if k not in late], real)
+        store.finish(pending)
+        self._subset(i, late, real, rest=True)
 
-    def _subset(self, i: int, ranks: list[int], real: list[int], pending=None) -> None:
-        """MoE layer i's pairs of ``ranks`` alone, read at their rows of ``real`` [K]; with
-        ``pending``, once its reads are landed, then the rest of the layer."""
+    def _subset(self, i: int, ranks: list[int], real: list[int], rest: bool = False) -> None:
+        """MoE layer i's pairs of ``ranks`` alone, read at their rows of ``real`` [K] (``rest``:
+        then the rest of the layer, in the same call)."""
         rows, where = self._subsets[i][len(ranks) - 1]
         rows[:] = [real[k] for k in ranks]
         where[:] = ranks
-        if pending is None:
-            self._run(self._a[i] + len(ranks))
-        else:
-            self._landed(pending, self._land_rest[i][len(ranks) - 1])
-
-    def _landed(self, pending, segment: int) -> None:
-        """Run ``segment`` (the land op first) once ``pending``'s reads are in: landed by the op on
-        every thread (kernel AIO), or, with reader threads, waited for here first."""
-        store = self.spec.store
-        self._landing = store.landing(pending)
-        if self._landing is None:
-            store.finish(pending)
-        try:
-            self._run(segment)
-        finally:
-            self._landing = None
-            store.finish(pending)  # counted; lands what the op left (it raised, or never ran)
-        err, self._land_error = self._land_error, None
-        if err is not None:
-            raise err
+        self._run(self._sub_rest[i][len(ranks) - 1] if rest else self._a[i] + len(ranks))
 
     def __del__(self) -> None:
-        for name in ("_ctx", "_land_ctx"):
-            if ggml._LIBS and getattr(self, name, None):
-                self.g._base.ggml_free(getattr(self, name))
-                setattr(self, name, None)
+        if ggml._LIBS and getattr(self, "_ctx", None):
+            self.g._base.ggml_free(self._ctx)
+            self._ctx = None
         super_del = getattr(super(), "__del__", None)
         if super_del is not None:
             super_del()

@@ -11,8 +11,7 @@ on four reader threads, idle or beside two busy processes (docs/tiers.md, "Kerne
 Each read lands in a page-aligned bounce buffer (``O_DIRECT`` wants 4096-byte alignment of
 offset, length and address); ``collect`` copies (or repacks, ``put``) its payload into the
 destination row on the caller's thread, each as it completes, while the others still run.
-``collector`` hands the same work to several threads at once (``Collector.work``: the graph
-decode's two threads, runtime/ggmltier.py). A read may start before its destination is known
+A read may start before its destination is known
 (``dst`` None) and be given one later (``bind``): the tier reads a step's missing experts
 before its table has chosen their rows.
 
@@ -122,14 +121,22 @@ class AioPool:
         """Wait for ``reads``, land each payload in its destination as it completes; their counters
         summed, ``seconds`` the wall time since ``t0``. Every read completes before an error is
         raised (the first), so no bounce buffer is reused while the kernel writes it."""
-        landing = self.collector(reads, t0)
-        landing.work()
-        return landing.result()
-
-    def collector(self, reads: list[_Read], t0: float) -> Collector:
-        """``collect`` split for several threads: each calls ``work`` (the graph's threads, in a
-        ggml op of their own: runtime/ggmltier.py), then one calls ``result``."""
-        return Collector(self, reads, t0)
+        total, error = ReadCounters(), None
+        left = [r for r in reads if r.buf is not None]
+        with self._lock:
+            while left:
+                if not any(r.done() for r in left):
+                    self._reap(1)
+                for r in [r for r in left if r.done()]:
+                    left.remove(r)
+                    try:
+                        total.add(self._land(r))
+                    except OSError as err:
+                        error = error or err
+        if error is not None:
+            raise error
+        total.seconds = time.perf_counter() - t0
+        return total
 
     def read(self, jobs: list[tuple]) -> ReadCounters:
         t0 = time.perf_counter()
@@ -218,59 +225,6 @@ class AioPool:
         raw = np.empty(size + ALIGN, np.uint8)
         skip = -raw.ctypes.data % ALIGN
         return raw[skip:skip + size]  # page-aligned view (keeps ``raw`` alive)
-
-
-class Collector:
-    """A batch of reads whose payloads any number of threads land together: each ``work`` call
-    takes a completed read (waiting in ``io_getevents`` when none is), lands it off the pool's
-    lock (a repack or copy releases the GIL: two threads land two payloads at once), and returns
-    when every read is taken. On 2 cores, two threads landed cold 432 KiB payloads at 51 us each
-    against 86 us on one (Xeon sandbox, repacked Q4_0)."""
-
-    def __init__(self, pool: AioPool, reads: list[_Read], t0: float) -> None:
-        self.pool, self.t0 = pool, t0
-        self._left = [r for r in reads if r.buf is not None]
-        self._total, self._error = ReadCounters(), None
-        self._sum = threading.Lock()
-        self.began = self.ended = None  # the wall time some thread spent in ``work``: the wait
-
-    def work(self) -> None:
-        now = time.perf_counter()
-        self.began = self.began or now
-        while (r := self._take()) is not None:
-            try:
-                got = self.pool._land(r)
-            except OSError as err:
-                with self._sum:
-                    self._error = self._error or err
-                continue
-            with self._sum:
-                self._total.add(got)
-        self.ended = max(self.ended or 0.0, time.perf_counter())
-
-    def _take(self) -> _Read | None:
-        """A completed read nobody took (the first submitted of them), or None once all are taken."""
-        with self.pool._lock:
-            while self._left:
-                for r in self._left:
-                    if r.done():
-                        self._left.remove(r)
-                        return r
-                self.pool._reap(1)
-        return None
-
-    @property
-    def waited(self) -> float:
-        return 0.0 if self.began is None else (self.ended or self.began) - self.began
-
-    def result(self) -> ReadCounters:
-        """The reads' counters, ``seconds`` the wall time since ``t0``; the first error raised."""
-        if self._left:
-            raise RuntimeError("Collector.result before every read was landed (call work first)")
-        if self._error is not None:
-            raise self._error
-        self._total.seconds = (self.ended or time.perf_counter()) - self.t0
-        return self._total
 
 
 def open_aio(files) -> tuple[AioPool | None, str]:

@@ -60,7 +60,6 @@ class Pending:
     futures: list = field(default_factory=list)
     t0: float = 0.0
     started: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))  # ReadPool.settle
-    landing: object = None  # a kernelaio.Collector, where threads other than ``finish``'s land the reads
 
 
 class TierBrokenError(RuntimeError):
@@ -267,16 +266,6 @@ class TieredStore:
         spare = [r for r in range(min(self.rows, len(taken) + len(need))) if r not in taken]
         return dict(zip(need, spare)) if len(spare) >= len(need) else None
 
-    def landing(self, pending: Pending):
-        """``pending``'s reads as a ``Collector`` (kernel AIO) whose ``work`` several threads may
-        run at once, landing payloads side by side (the graph's threads: runtime/ggmltier.py);
-        ``finish`` then counts them. None with reader threads (they land their own reads) or
-        nothing to read."""
-        make = getattr(self.reader, "collector", None)
-        if make is not None and pending.futures and pending.landing is None:
-            pending.landing = make(pending.futures, pending.t0)
-        return pending.landing
-
     def finish(self, pending: Pending) -> None:
         """Wait for ``pending``'s reads; count them (``read_seconds``: from their start, ``wait_seconds``:
         the part the caller waited for)."""
@@ -291,12 +280,7 @@ class TieredStore:
         pending.copies = {}
 
     def _collect(self, pending: Pending) -> None:
-        if pending.landing is not None:  # landed by the graph's threads (``landing``); what is left here
-            landing, pending.landing, pending.futures = pending.landing, None, []
-            landing.work()
-            self.counts[pending.phase].add(landing.result())
-            self.waited[pending.phase] += landing.waited
-        elif pending.futures:
+        if pending.futures:
             futures, pending.futures = pending.futures, []
             t = time.perf_counter()
             self.counts[pending.phase].add(self.reader.collect(futures, pending.t0))
