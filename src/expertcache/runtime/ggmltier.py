@@ -322,8 +322,8 @@ class _TierStepGraph(_StepGraph):
     def _overlapped(self, i: int, phase: int) -> None:
         """A decode step, then the rest of the layer: with reads to wait for, the subset of the RAM
         hits' pairs computes while they run (on rows no read writes), and the subset of the read
-        experts' pairs once they are in; else segment A computes every pair. ggml computes each (token, expert) pair on its own, so every pair's output is
-        the one-pass output bit for bit."""
+        experts' pairs once they are in; else segment A computes every pair. ggml computes each
+        (token, expert) pair on its own, so every pair's output is the one-pass output bit for bit."""
         store = self.spec.store
         ids, pending = self._start(i, phase)
         if pending.compact is not None:  # a compact copy: read first, the rows point into it

@@ -11,9 +11,8 @@ on four reader threads, idle or beside two busy processes (docs/tiers.md, "Kerne
 Each read lands in a page-aligned bounce buffer (``O_DIRECT`` wants 4096-byte alignment of
 offset, length and address); ``collect`` copies (or repacks, ``put``) its payload into the
 destination row on the caller's thread, each as it completes, while the others still run.
-A read may start before its destination is known
-(``dst`` None) and be given one later (``bind``): the tier reads a step's missing experts
-before its table has chosen their rows.
+A read may start before its destination is known (``dst`` None) and be given one later
+(``bind``): the tier reads a step's missing experts before its table has chosen their rows.
 
 Only with ``O_DIRECT`` (buffered reads under kernel AIO run synchronously inside
 ``io_submit``), on little-endian x86_64 and aarch64 (the syscall numbers and ``struct iocb``
