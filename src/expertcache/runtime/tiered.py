@@ -207,13 +207,10 @@ class TieredStore:
         rows.update((key - base, slot) for key, slot in plan.loads.items())
         jobs, reading, bound = [], set(), []
         for key, slot in plan.loads.items():
-            if key - base in early:  # in flight: its payloads land in this row
-                bound += self._bind(early.pop(key - base), layer, key - base, self._np, slot)
-                reading.add(key - base)
-                continue
-            got = self._fill(layer, key - base, self._np, slot, phase, ahead)
-            if got:  # not read ahead: being read now
-                jobs += got
+            new, flying = self._fill(layer, key - base, self._np, slot, phase, ahead, early)
+            if new or flying:  # not read ahead: being read now
+                jobs += new
+                bound += flying
                 reading.add(key - base)
         pending = Pending(rows, reading, phase)
         if plan.bypasses:  # wider than the tier: every expert of the step into one compact copy
@@ -225,10 +222,9 @@ class TieredStore:
                         compact[p][i] = self._np[p][slot]
                 rows[e] = i
             for i, key in enumerate(plan.bypasses, start=len(rows)):
-                if key - base in early:
-                    bound += self._bind(early.pop(key - base), layer, key - base, compact, i)
-                else:
-                    jobs += self._fill(layer, key - base, compact, i, phase, ahead)
+                new, flying = self._fill(layer, key - base, compact, i, phase, ahead, early)
+                jobs += new
+                bound += flying
                 rows[key - base] = i
             pending.compact = compact
             pending.copies = {rows[key - base]: slot for key, slot in plan.loads.items()}
@@ -242,12 +238,6 @@ class TieredStore:
             pending.t0 = t0 if bound or unbound else time.perf_counter()
             pending.futures = bound + unbound + (self.reader.submit(jobs, pending.started) if jobs else [])
         return pending
-
-    def _bind(self, reads: list, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> list:
-        """Name ``dst[part][row]`` the landing place of ``expert``'s reads in flight (``_read_early``)."""
-        for r, (p, n, *_) in zip(reads, self._parts(layer, expert)):
-            self.reader.bind(r, *self._target(layer, p, n, dst, row))
-        return reads
 
     def settle(self, pending: Pending) -> None:
         """Return once ``pending``'s first reads are on the reader threads (``ReadPool.settle``):
@@ -286,16 +276,24 @@ class TieredStore:
             self.counts[pending.phase].add(self.reader.collect(futures, pending.t0))
             self.waited[pending.phase] += time.perf_counter() - t
 
-    def _fill(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int, phase: int, ahead) -> list:
-        """The reads that put ``expert`` into ``dst[part][row]``: none where ``ahead`` had it."""
+    def _fill(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int, phase: int, ahead,
+              early: dict[int, list]) -> tuple[list, list]:
+        """Put ``expert`` into ``dst[part][row]``: (reads to submit, reads in flight now landing
+        there). Its reads started early (``_read_early``) are bound to the row; neither where
+        ``ahead`` had it."""
+        if expert in early:
+            reads = early.pop(expert)
+            for r, (p, n, *_) in zip(reads, self._parts(layer, expert)):
+                self.reader.bind(r, *self._target(layer, p, n, dst, row))
+            return [], reads
         if ahead is not None:
             t = time.perf_counter()
             got = ahead(layer, expert, dst, row)
             if got is not None:  # its bytes count as this step's read (what the table counts)
                 self.counts[phase].add(got)
                 self.waited[phase] += time.perf_counter() - t
-                return []
-        return self._jobs(layer, expert, dst, row)
+                return [], []
+        return self._jobs(layer, expert, dst, row), []
 
     def _jobs(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int, plain: bool = False) -> list:
         """The reads of ``expert`` into ``dst[part][row]``: repacked there where the tier's rows
