@@ -16,7 +16,8 @@ limit, the same for both:
   (``cpu_graph='off'``), what tiered decode was before the graph read the tier.
 
 The limit of a pair is the peak RSS of a calibration run of its tier (no limit) plus
-``--slack`` (128 MiB: at 64 MiB the dense weights' page cache thrashed in the 50% limit).
+``--slack`` (128 MiB: at 64 MiB the dense weights' page cache thrashed in the 50% limit),
+after a warm-up run that compiles what a fresh checkout's first process would.
 Each run is its own process, placed in the cgroup before it imports anything, after the page
 cache was dropped; configurations are interleaved over ``--repeats`` rounds, each round between
 two all-in-RAM reference runs (``host_memory='copy'``, no limit; the round's all-in-RAM speed is
@@ -271,6 +272,12 @@ def main() -> None:
         front["slots"] = max(header.top_k, round(args.slots / 100 * len(header.moe_blocks) * header.num_experts))
         print(f"{args.device}: {front['slots']} device slots ({args.slots}% of the experts) in front of every run")
     limits = {}
+    if not args.limit:  # a fresh checkout's first process compiles numba's kernels and Python's
+        # bytecode: 115-185 MiB more peak RSS (890-961 against 775 MiB, EPYC sandbox), which
+        # would widen the limit and hand mmap's page cache the difference
+        warm = run(model, "warm-up: caches compiled, no limit", _tier(args.shares[0]), 4, args.threads, None, front)
+        print(f"warm-up: {warm['error'] if 'error' in warm else 'peak RSS ' + format_size(warm['peak_rss'])} "
+              "(not used)", flush=True)
     for share in args.shares:  # the limit each tier fits in: its peak RSS without a limit, plus the slack
         if args.limit:
             limit = parse_size(args.limit)
