@@ -351,6 +351,7 @@ def main() -> None:
                                   "disk_bytes_ratio_25_vs_mmap": a["disk_bytes_per_token"] / b["disk_bytes_per_token"],
                                   "of_bound_25": a["of_bound"], "of_disk_bound_25": a["of_disk_bound"],
                                   "of_bound_25_steady": a.get("of_bound_steady"),
+                                  "of_serial_bound_25": a.get("of_serial_bound"),
                                   **({"graph_vs_per_layer_25": a["tok_s"] / c["tok_s"]} if c else {}),
                                   **({"repacked_vs_plain_rows_25": a["tok_s"] / plain["tok_s"]} if plain else {})})
         doc["goals"]["per_round"] = per_round
@@ -391,6 +392,11 @@ def _score(r: dict, ref: dict, bandwidth: float) -> None:
     r["all_in_ram_tok_s"] = ref.get("tok_s")
     r["of_disk_bound"] = r["tok_s"] / r["disk_bound_tok_s"] if r["disk_bound_tok_s"] else None
     r["of_bound"] = r["tok_s"] / r["bound_tok_s"]
+    # what a step can reach when its reads start at its routing and none is guessed ahead: the
+    # all-in-RAM time plus the disk time, end to end (the plan's cost model, docs/tiers.md "plan")
+    r["serial_bound_tok_s"] = 1 / (1 / ref["tok_s"] + (1 / r["disk_bound_tok_s"] if r["disk_bound_tok_s"] else 0)) \
+        if ref.get("tok_s") else None
+    r["of_serial_bound"] = r["tok_s"] / r["serial_bound_tok_s"] if r["serial_bound_tok_s"] else None
     # the same past the decode's first quarter (decode_phases.py 'steady'): its own disk bytes,
     # against the reference's steady speed
     r["of_bound_steady"] = None
@@ -418,14 +424,16 @@ def _line(r: dict, format_size) -> str:
             f"{format_size(r['disk_bytes_per_token'])} from disk per token, RAM hits {hit}, "
             f"{r['of_disk_bound']:.2f} of the disk bound, {r['of_bound']:.2f} of min(disk, all-in-RAM)"
             + ("" if r.get("of_bound_steady") is None else f" ({r['of_bound_steady']:.2f} past the first quarter)")
+            + ("" if r.get("of_serial_bound") is None else f", {r['of_serial_bound']:.2f} of all-in-RAM + disk time")
             + f", tokens equal: {r['tokens_equal_reference']}")
 
 
 def _table(rows: list[dict], format_size) -> None:
     # of disk: tok/s over the disk bound; of bound: over min(disk bound, all-in-RAM tok/s); steady:
-    # the same past the cold start and warm-up (decode_phases.py)
+    # the same past the cold start and warm-up (decode_phases.py); of serial: over the all-in-RAM
+    # time plus the disk time (reads that start at their step's routing)
     print(f"{'config':<28}{'graph':>6}{'limit':>12}{'tok/s':>8}{'disk/token':>14}{'RAM hits':>10}"
-          f"{'disk bound':>12}{'of disk':>9}{'of bound':>10}{'steady':>8}{'peak cgroup':>13}")
+          f"{'disk bound':>12}{'of disk':>9}{'of bound':>10}{'steady':>8}{'of serial':>10}{'peak cgroup':>13}")
     for r in rows:
         if "error" in r:
             print(f"{r['label']:<28} error")
@@ -434,7 +442,7 @@ def _table(rows: list[dict], format_size) -> None:
         print(f"{r['label']:<28}{r.get('cpu_graph', '?'):>6}{format_size(r['limit']):>12}{r['tok_s']:>8.2f}"
               f"{format_size(r['disk_bytes_per_token']):>14}{hit:>10}{r['disk_bound_tok_s'] or 0:>12.1f}"
               f"{r['of_disk_bound'] or 0:>9.2f}{r['of_bound']:>10.2f}{r.get('of_bound_steady') or 0:>8.2f}"
-              f"{format_size(r.get('cgroup_max_usage', 0)):>13}")
+              f"{r.get('of_serial_bound') or 0:>10.2f}{format_size(r.get('cgroup_max_usage', 0)):>13}")
 
 
 def _machine() -> str:
