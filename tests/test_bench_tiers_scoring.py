@@ -50,3 +50,17 @@ def test_past_the_first_quarter_scores_its_own_disk_bytes_against_the_references
     short = {**run, "steady_tok_s": None}               # a run too short for a steady part
     bench._score(short, ref, bandwidth=100 << 20)
     assert short["of_bound_steady"] is None
+
+
+def test_the_serial_bound_adds_the_disk_time_to_the_all_in_ram_time(bench):
+    run = {"decode_disk_read_bytes": 10 << 20, "disk_read_bytes": 10 << 20, "decode_tokens": 10,
+           "tok_s": 30.0, "tokens": [1], "tier": None}
+    bench._score(run, {"tok_s": 50.0, "tokens": [1]}, bandwidth=50 << 20)  # 1 MiB a token: 20 ms + 20 ms
+    assert run["serial_bound_tok_s"] == pytest.approx(25.0) and run["of_serial_bound"] == pytest.approx(1.2)
+    assert run["of_bound"] == pytest.approx(0.6)                            # min(50, 50) tok/s
+    no_reads = {**run, "decode_disk_read_bytes": 0}                         # all in RAM: no disk time
+    bench._score(no_reads, {"tok_s": 50.0, "tokens": [1]}, bandwidth=50 << 20)
+    assert no_reads["serial_bound_tok_s"] == 50.0 and no_reads["of_serial_bound"] == 0.6
+    no_ref = dict(run)
+    bench._score(no_ref, {"error": "exit 1"}, bandwidth=50 << 20)
+    assert no_ref["serial_bound_tok_s"] is None and no_ref["of_serial_bound"] is None
