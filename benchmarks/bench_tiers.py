@@ -58,9 +58,11 @@ PROMPT = [5, 9, 77, 120, 3, 44, 200, 17]  # token ids of the byte-level vocabula
 
 
 # -- the model ----------------------------------------------------------------------------
-def build_model(path: Path, seed: int = 0) -> Path:
+def build_model(path: Path, seed: int = 0, update: float = 1.0) -> Path:
     """A Qwen3-MoE GGUF: dense part from a random transformers model (tiny expert FF, so it
-    builds in seconds), experts as random Q4_0 blocks of the real FF size."""
+    builds in seconds), experts as random Q4_0 blocks of the real FF size. ``update`` scales
+    what each layer adds to the residual stream (attention's output projection, the experts'
+    down projection): below 1 the context moves the routing less, token to token."""
     import gguf
     import numpy as np
     import torch
@@ -82,6 +84,8 @@ def build_model(path: Path, seed: int = 0) -> Path:
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, ROUTER_STD)
         model.model.embed_tokens.weight.normal_(0, EMBED_STD)  # each token's own direction counts
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(update)
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
     cfg.moe_intermediate_size = s["expert_ff"]  # what the metadata says; the tensors agree
     _metadata(writer, cfg, "qwen3moe", True)
@@ -96,7 +100,8 @@ def build_model(path: Path, seed: int = 0) -> Path:
     for layer in range(s["layers"]):
         for kind, (rows, cols) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
             blocks = rng.integers(0, 256, (E, rows, cols // 32, 18), dtype=np.uint8)  # Q4_0: fp16 d + 16 B
-            d = (rng.uniform(0.002, 0.006, (E, rows, cols // 32)) / np.sqrt(cols / 256)).astype(np.float16)
+            d = rng.uniform(0.002, 0.006, (E, rows, cols // 32)) / np.sqrt(cols / 256)
+            d = (d * (update if kind == "down" else 1.0)).astype(np.float16)
             blocks[..., :2] = d.view(np.uint8).reshape(E, rows, cols // 32, 2)
             writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", blocks.reshape(E, rows, -1),
                               raw_dtype=gguf.GGMLQuantizationType.Q4_0)
@@ -242,11 +247,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (the CPU engine, every expert from the host) or "
                     "cuda (device slots in front of the host tier: give --slots)")
     ap.add_argument("--slots", type=int, help="device slots as a %% of the experts, in front of every configuration")
+    ap.add_argument("--layer-update", type=float, default=1.0, help="scale of what each layer adds to the "
+                    "residual stream (below 1: less locality token to token, more reads; a model of its own)")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
     if args.child:
         return child(json.loads(args.child))
+    if not args.layer_update > 0:
+        ap.error(f"--layer-update must be above 0 (1: the default model), got {args.layer_update}")
     if args.device == "cuda" and not args.slots:
         ap.error("--device cuda needs --slots (the device slots in front of the host tier)")
     from expertcache.ggufmodel.header import read_header
@@ -255,10 +264,11 @@ def main() -> None:
 
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
-    model = folder / "qwen3moe-q4_0-tiers.gguf"
+    model = folder / ("qwen3moe-q4_0-tiers.gguf" if args.layer_update == 1 else
+                      f"qwen3moe-q4_0-tiers-update{args.layer_update:g}.gguf")
     if not model.exists():
         print(f"building {model} ...", flush=True)
-        build_model(model)
+        build_model(model, update=args.layer_update)
     header = read_header(model)
     experts_bytes, file_bytes = header.experts_bytes, model.stat().st_size
     print(f"model {model}: {format_size(file_bytes)}, experts {format_size(experts_bytes)} "
@@ -287,6 +297,14 @@ def main() -> None:
             print(f"calibration tiered {share}%: peak RSS {format_size(cal['peak_rss'])} -> limit "
                   f"{format_size(limit)}", flush=True)
         limits[share] = {"limit": limit}
+    # the runs with ggml's plain kernels (cpu_repack='off': mmap, rows plain) against the tokens of
+    # an all-in-RAM run with the same kernels: the repacked kernels sum in another order (logits
+    # 1e-3 apart on an AVX-512 EPYC), and a sampled decode can then draw another token
+    plain_ref = run(model, "copy, plain kernels (tokens only)", dict(ref_settings, cpu_repack="off"), args.tokens,
+                    args.threads, None, front) if args.device == "cpu" else None
+    if plain_ref is not None:
+        print(f"plain kernels, all in RAM: {plain_ref.get('error') or format(plain_ref['tok_s'], '.2f') + ' tok/s'} "
+              "(the tokens the cpu_repack='off' runs are checked against)", flush=True)
     rounds = []
     for rnd in range(args.repeats):  # interleaved: load from other processes hits every config alike
         ref = run(model, "copy (all in RAM, reference)", ref_settings, args.tokens, args.threads, None, front)
@@ -307,7 +325,7 @@ def main() -> None:
                 configs.append((f"tiered {share}% per-layer", dict(_tier(share), cpu_graph="off")))
             for label, settings in configs:
                 r = run(model, label, settings, args.tokens, args.threads, cgroup, front)
-                r.update(limit=limit, pair=share, round=rnd + 1)
+                r.update(limit=limit, pair=share, round=rnd + 1, plain_kernels=settings.get("cpu_repack") == "off")
                 runs.append(r)
         # the reference again after the round's runs: the machine's speed drifts (other sessions'
         # work); the round's all-in-RAM speed is the mean of the runs before and after
@@ -316,7 +334,7 @@ def main() -> None:
         print(f"round {rnd + 1}: reference after {after.get('tok_s', 0):.2f} tok/s; all in RAM "
               f"{ref.get('tok_s', 0):.2f} tok/s (mean)", flush=True)
         for r in runs:
-            _score(r, ref, bandwidth)
+            _score(r, ref, bandwidth, plain_ref if r.get("plain_kernels") and plain_ref else None)
             print(_line(r, format_size), flush=True)
         rounds.append({"reference": ref, "runs": runs})
     # per configuration, its fastest round (the least disturbed by other processes)
@@ -330,7 +348,7 @@ def main() -> None:
     ref = max((rnd["reference"] for rnd in rounds), key=lambda r: r.get("tok_s", 0))
     doc = {"machine": _machine(), "load_before": os.getloadavg(), **front, "model": str(model), "file_bytes": file_bytes,
            "experts_bytes": experts_bytes, "shape": SHAPE, "odirect_bandwidth": bandwidth,
-           "limits": limits, "tokens": args.tokens, "threads": args.threads,
+           "limits": limits, "tokens": args.tokens, "threads": args.threads, "plain_reference": plain_ref,
            "reference": ref, "runs": rows, "rounds": rounds, "repeats": args.repeats, "uptime": subprocess.run(["uptime"], capture_output=True,
                                                                        text=True).stdout.strip()}
     mm = next((r for r in rows if r["label"].startswith("mmap") and r["pair"] == 25 and "error" not in r), None)
@@ -380,9 +398,10 @@ def _tier(share: int) -> dict:
     return dict(host_memory="tiered", host_budget=f"{share}%")
 
 
-def _score(r: dict, ref: dict, bandwidth: float) -> None:
+def _score(r: dict, ref: dict, bandwidth: float, same_kernels: dict | None = None) -> None:
     """Disk bytes per decode token (read by the decode forwards; with the prompt's reads too:
-    ``all_disk_bytes_per_token``), the bounds against the round's all-in-RAM speed, the RAM hit rate."""
+    ``all_disk_bytes_per_token``), the bounds against the round's all-in-RAM speed, the RAM hit rate;
+    tokens against ``same_kernels``' where given (an all-in-RAM run with the run's own kernels), else ``ref``'s."""
     if "error" in r:
         return
     r["disk_bytes_per_token"] = r["decode_disk_read_bytes"] / r["decode_tokens"]
@@ -403,7 +422,8 @@ def _score(r: dict, ref: dict, bandwidth: float) -> None:
     if r.get("steady_tok_s") and ref.get("steady_tok_s") and r.get("steady_disk_read_bytes") is not None:
         per_token = r["steady_disk_read_bytes"] / r["steady_tokens"]
         r["of_bound_steady"] = r["steady_tok_s"] / _bounds(bandwidth, per_token, ref["steady_tok_s"])[1]
-    r["tokens_equal_reference"] = r["tokens"] == ref.get("tokens")
+    r["tokens_equal_reference"] = r["tokens"] == (same_kernels or ref).get("tokens")
+    r["tokens_reference"] = "all in RAM, plain kernels" if same_kernels else "all in RAM"
     d = (r["tier"] or {}).get("decode", {})
     r["ram_hit_rate"] = d["ram_hits"] / d["accesses"] if d.get("accesses") else None
 

@@ -64,3 +64,14 @@ def test_the_serial_bound_adds_the_disk_time_to_the_all_in_ram_time(bench):
     no_ref = dict(run)
     bench._score(no_ref, {"error": "exit 1"}, bandwidth=50 << 20)
     assert no_ref["serial_bound_tok_s"] is None and no_ref["of_serial_bound"] is None
+
+
+def test_runs_on_plain_kernels_are_checked_against_plain_kernels_tokens(bench):
+    run = {"decode_disk_read_bytes": 0, "disk_read_bytes": 0, "decode_tokens": 10, "tok_s": 30.0,
+           "tokens": [1, 2, 3], "tier": None}
+    repacked, plain = {"tok_s": 50.0, "tokens": [1, 2, 4]}, {"tok_s": 45.0, "tokens": [1, 2, 3]}
+    bench._score(run, repacked, bandwidth=1 << 20, same_kernels=plain)
+    assert run["tokens_equal_reference"] and run["tokens_reference"] == "all in RAM, plain kernels"
+    assert run["of_bound"] == 30.0 / 50.0                       # the speed still against the round's reference
+    bench._score(run, repacked, bandwidth=1 << 20)
+    assert not run["tokens_equal_reference"] and run["tokens_reference"] == "all in RAM"
