@@ -346,7 +346,8 @@ def main() -> None:
     rows = [best[label] for label in dict.fromkeys(r["label"] for rnd in rounds for r in rnd["runs"])
             if label in best]
     ref = max((rnd["reference"] for rnd in rounds), key=lambda r: r.get("tok_s", 0))
-    doc = {"machine": _machine(), "load_before": os.getloadavg(), **front, "model": str(model), "file_bytes": file_bytes,
+    doc = {"machine": _machine(), "load_before": os.getloadavg(), **front, "model": str(model),
+           "layer_update": args.layer_update, "file_bytes": file_bytes,
            "experts_bytes": experts_bytes, "shape": SHAPE, "odirect_bandwidth": bandwidth,
            "limits": limits, "tokens": args.tokens, "threads": args.threads, "plain_reference": plain_ref,
            "reference": ref, "runs": rows, "rounds": rounds, "repeats": args.repeats, "uptime": subprocess.run(["uptime"], capture_output=True,
@@ -496,8 +497,10 @@ def _plot(doc: dict, path: Path) -> None:
     a.legend(fontsize=8)
     b.set_ylabel("MiB read from disk per decode token")
     limits = ", ".join(f"{k}%: {v['limit'] / 2**20:.0f} MiB" for k, v in doc["limits"].items())
+    update = doc.get("layer_update", 1)
     fig.suptitle(f"{doc['machine']}; load {doc['load_before'][0]:.1f}; cgroup limits {limits}; file "
-                 f"{doc['file_bytes'] / 2**20:.0f} MiB; O_DIRECT {doc['odirect_bandwidth'] / 1e9:.2f} GB/s",
+                 f"{doc['file_bytes'] / 2**20:.0f} MiB" + ("" if update == 1 else f" (layer update {update:g})")
+                 + f"; O_DIRECT {doc['odirect_bandwidth'] / 1e9:.2f} GB/s",
                  fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
