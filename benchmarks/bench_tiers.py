@@ -21,12 +21,18 @@ after a warm-up run that compiles what a fresh checkout's first process would.
 Each run is its own process, placed in the cgroup before it imports anything, after the page
 cache was dropped; configurations are interleaved over ``--repeats`` rounds, each round between
 two all-in-RAM reference runs (``host_memory='copy'``, no limit; the round's all-in-RAM speed is
-their mean, since the machine's speed drifts) whose tokens every run must produce. Bytes from
+their mean, since the machine's speed drifts) whose tokens every run must produce (the runs on
+ggml's plain kernels, ``cpu_repack='off'``, those of one all-in-RAM run on the same kernels:
+the repacked ones sum in another order, and a sampled token can differ). Bytes from
 disk: the process's ``/proc/self/io`` ``read_bytes`` over the decode forwards, per decode token
 (with the prompt's reads too: ``all_disk_bytes_per_token``). The disk bound: the O_DIRECT read
 bandwidth measured on the file (4 reader threads, 512 KiB blocks) over a run's disk bytes per
-decode token; the bound: the lower of it and the all-in-RAM speed. Without a cgroup (not root,
-no v1 memory controller) the runs go unlimited and the script says so.
+decode token; the bound: the lower of it and the all-in-RAM speed; the serial bound: the
+all-in-RAM time plus the disk time, what a decode reaches whose reads start at their layer's
+routing. Without a cgroup (not root, no v1 memory controller) the runs go unlimited and the
+script says so. ``--layer-update F`` builds a model whose layers add F x as much to the residual
+stream: below 1 its routing moves less with the context and the tier reads more (docs/tiers.md,
+"Where 0.7 of the bound holds").
 
     flock /tmp/bench.lock python benchmarks/bench_tiers.py --dir /tmp/tiers-bench --tokens 32 \
         --repeats 3 --json benchmarks/results/bench_tiers.json --png benchmarks/results/bench_tiers.png
