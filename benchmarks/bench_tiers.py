@@ -253,6 +253,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (the CPU engine, every expert from the host) or "
                     "cuda (device slots in front of the host tier: give --slots)")
     ap.add_argument("--slots", type=int, help="device slots as a %% of the experts, in front of every configuration")
+    ap.add_argument("--no-warm-up", action="store_true", help="calibrate without a warm-up run first (the "
+                    "numba cache already compiled, as gpu_check.sh's earlier steps leave it)")
     ap.add_argument("--layer-update", type=float, default=1.0, help="scale of what each layer adds to the "
                     "residual stream (below 1: less locality token to token, more reads; a model of its own)")
     ap.add_argument("--json")
@@ -288,7 +290,7 @@ def main() -> None:
         front["slots"] = max(header.top_k, round(args.slots / 100 * len(header.moe_blocks) * header.num_experts))
         print(f"{args.device}: {front['slots']} device slots ({args.slots}% of the experts) in front of every run")
     limits = {}
-    if not args.limit:  # a fresh checkout's first process compiles numba's kernels and Python's
+    if not args.limit and not args.no_warm_up:  # a fresh checkout's first process compiles numba's kernels and Python's
         # bytecode: 115-185 MiB more peak RSS (890-961 against 775 MiB, EPYC sandbox), which
         # would widen the limit and hand mmap's page cache the difference
         warm = run(model, "warm-up: caches compiled, no limit", _tier(args.shares[0]), 4, args.threads, None, front)

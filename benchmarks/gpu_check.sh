@@ -34,7 +34,7 @@
 # dequant 15 s (Q4_K dequantize-per-use cost), tests-slow 90 s (the GPU tests marked slow),
 # tiers 120 s (bench_tiers.py --device cuda --slots 12: the RAM tier feeding the slots against mmap
 # under one memory cgroup limit, issue 33; without a cgroup v1 memory controller it runs unlimited
-# and says so).
+# and says so; no warm-up run: the earlier steps compiled numba's cache).
 # Numba compiles once per run into the work folder (NUMBA_CACHE_DIR), shared by the steps.
 #
 # Output: $OUT when set (the device tool's folder that comes back: at most 8 files), else
@@ -132,7 +132,7 @@ step dequant 15 "$PY" benchmarks/gpu_check.py dequant --work "$WORK" $REHEARSE
 step diag 15 "$PY" benchmarks/gpu_check.py diag --work "$WORK" $REHEARSE
 step tests-slow 90 "${PYTEST[@]}" -m "gpu and slow" "${GPU_TESTS[@]}"
 if [ -n "$REHEARSE" ]; then TIERS=(--device cpu --tokens 4); else TIERS=(--device cuda --tokens 32); fi
-step tiers 120 "$PY" benchmarks/bench_tiers.py "${TIERS[@]}" --slots 12 --shares 25 --repeats 1 \
+step tiers 120 "$PY" benchmarks/bench_tiers.py "${TIERS[@]}" --slots 12 --shares 25 --repeats 1 --no-warm-up \
   --dir "$WORK/tiers" --json "$WORK/extra_tiers.json"
 timeout 10 "$PY" benchmarks/gpu_check.py summary --work "$WORK" --out "$RES"
 rm -rf "$WORK"
