@@ -82,6 +82,26 @@ def test_cli_takes_the_tier_flags(model_file, capsys):
     assert "past host_budget. Use --baseline cpu " in capsys.readouterr().err   # in the CLI's spelling
 
 
+def test_decode_phases_count_the_tiers_hits_and_file_bytes(model_file):
+    from expertcache.runtime.generate import format_summary
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget=0.25)
+    model.generate(PROMPT, max_new_tokens=40, do_sample=False)
+    report, tier = model.expertcache.report(), model.expertcache.stats().pool["tier"]["decode"]
+    phases = [report[f"decode_{p}"] for p in ("cold", "warm", "steady")]
+    assert sum(p["tokens"] for p in phases) == 39 and all(p["ram_hit_rate"] is not None for p in phases if p["tokens"])
+    # the phases' file bytes and RAM hits add up to the decode totals the tier counted
+    ran = [p for p in phases if p["tokens"]]
+    assert sum(p["file_bytes_per_token"] * p["tokens"] for p in ran) == pytest.approx(tier["file_bytes"])
+    assert 0 < tier["file_bytes"] and any(p["ram_hit_rate"] < 1 for p in ran)
+    per_token = model.config.num_hidden_layers * model.config.num_experts_per_tok  # a token's accesses
+    assert tier["accesses"] == per_token * 39
+    assert sum(p["ram_hit_rate"] * p["tokens"] * per_token for p in ran) == pytest.approx(tier["ram_hits"])
+    assert "RAM hits" in format_summary(report) and "from the file" in format_summary(report)
+    plain = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="copy")
+    plain.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    assert "ram_hit_rate" not in plain.expertcache.report()["decode_cold"]   # no tier, no RAM columns
+
+
 # -- exactness, counters, sim == live ----------------------------------------------------------
 @pytest.mark.parametrize("settings", [
     dict(baseline="resident"),                      # the CPU engine computes from the RAM tier

@@ -3,8 +3,9 @@
 One clock per model (``ForwardClock.of(model)``) serves ``generate``, ``serve`` and
 ``model.expertcache.report()``, so all three measure alike. A run starts at a forward
 with several new tokens (a prompt) or after ``start()``; every forward's end appends a
-time and, for an offloaded model, the decode counters then (hits, accesses, H2D bytes),
-so a phase's hit rate and bytes per token are differences of two snapshots.
+time and, for an offloaded model, the decode counters then (hits, accesses, H2D bytes, and
+the RAM tier's hits, accesses and file bytes), so a phase's hit rates and bytes per token are
+differences of two snapshots.
 
 On CUDA the host time at a forward's end runs ahead of the device by at most the work
 queued after the last MoE layer's routing read (a host sync): step-to-step intervals
@@ -32,7 +33,7 @@ class ForwardClock:
     def __init__(self, model) -> None:
         self.model = model
         self.times: list[float] = []              # run start, then the end of each forward
-        self.counters: list[tuple[int, int, int]] = []  # (hits, accesses, h2d bytes) aligned with times
+        self.counters: list[tuple] = []  # ExpertCache.decode_counters() aligned with times
         self.prompt_tokens = 0
         self._restart = True
 
@@ -62,8 +63,8 @@ class ForwardClock:
         self.times.append(time.perf_counter())
         self.counters.append(self._snapshot())
 
-    def _snapshot(self) -> tuple[int, int, int]:
+    def _snapshot(self) -> tuple:
         cache = getattr(self.model, "expertcache", None)
         if cache is None:
-            return (0, 0, 0)
+            return (0,) * 6
         return cache.decode_counters()

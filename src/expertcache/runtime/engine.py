@@ -275,14 +275,19 @@ class ExpertCache:
                       None) if self.model is not None else None
         return self.pool.kernel_report(module, self.hosts[0])
 
-    def decode_counters(self) -> tuple[int, int, int]:
-        """(hits, accesses, H2D bytes) of decode so far: what the forward clock snapshots."""
+    def decode_counters(self) -> tuple[int, int, int, int, int, int]:
+        """(hits, accesses, H2D bytes, RAM-tier hits, RAM-tier accesses, bytes read from the file) of
+        decode so far: what the forward clock snapshots (the last three 0 without a tier)."""
+        ram = (0, 0, 0)
+        if self.tier is not None:
+            tier = self.tier.table.stats().sums(DECODE)
+            ram = (tier["hits"], tier["accesses"], self.tier.counts[DECODE].bytes)
         if self.planner is None:
             decode = self.table.stats().sums(DECODE)
-            return decode["hits"], decode["accesses"], sum(self.h2d[DECODE])
+            return decode["hits"], decode["accesses"], sum(self.h2d[DECODE]), *ram
         decode = self.planner.stats().sums(DECODE)
         return (decode["hits"], decode["accesses"],
-                sum(self.h2d[DECODE]) + sum(self.planner.h2d(self.expert_bytes)[DECODE]))
+                sum(self.h2d[DECODE]) + sum(self.planner.h2d(self.expert_bytes)[DECODE]), *ram)
 
     def reset_stats(self) -> None:
         self.table.reset_stats()

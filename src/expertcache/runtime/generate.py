@@ -184,9 +184,13 @@ def summarize(clock: ForwardClock, new_tokens: int, cache, since=None) -> dict:
         seconds = sum(steps[i] for i in idx)
         part = {"tokens": len(idx), "seconds": seconds, "tok_s": _rate(len(idx), seconds)}
         if cache is not None:  # step i runs between snapshots i+1 and i+2
-            hits, accesses, h2d = (b - a for a, b in zip(counters[idx.start + 1], counters[idx.stop + 1]))
+            hits, accesses, h2d, ram_hits, ram_accesses, file_bytes = (
+                b - a for a, b in zip(counters[idx.start + 1], counters[idx.stop + 1]))
             part.update(hit_rate=hits / accesses if accesses else None,
                         h2d_bytes_per_token=h2d / len(idx) if len(idx) else None)
+            if getattr(cache, "tier", None) is not None:  # host_memory='tiered': the RAM tier's share
+                part.update(ram_hit_rate=ram_hits / ram_accesses if ram_accesses else None,
+                            file_bytes_per_token=file_bytes / len(idx) if len(idx) else None)
         summary[f"decode_{name}"] = part
     if cache is not None:
         summary["cache"] = _cache_part(cache, len(steps), new_tokens, since)
@@ -214,6 +218,9 @@ def format_summary(summary: dict) -> str:
         text = f"{part['tokens']} tokens, " + ("-" if part["tok_s"] is None else f"{part['tok_s']:.1f} tok/s")
         if part.get("hit_rate") is not None:
             text += f", hit rate {part['hit_rate']:.3f}, H2D {format_size(part['h2d_bytes_per_token'])}/token"
+        if part.get("ram_hit_rate") is not None:
+            text += (f", RAM hits {part['ram_hit_rate']:.3f}, "
+                     f"{format_size(part['file_bytes_per_token'])}/token from the file")
         return text
 
     pre = summary["prefill"]["tok_s"]
