@@ -27,7 +27,8 @@ the repacked ones sum in another order, and a sampled token can differ). Bytes f
 disk: the process's ``/proc/self/io`` ``read_bytes`` over the decode forwards, per decode token
 (with the prompt's reads too: ``all_disk_bytes_per_token``). The disk bound: the O_DIRECT read
 bandwidth measured on the file (4 reader threads, 512 KiB blocks) over a run's disk bytes per
-decode token; the bound: the lower of it and the all-in-RAM speed; the serial bound: the
+decode token (measured before and after each round; their mean scores the round); the bound:
+the lower of it and the all-in-RAM speed; the serial bound: the
 all-in-RAM time plus the disk time, what a decode reaches whose reads start at their layer's
 routing. Without a cgroup (not root, no v1 memory controller) the runs go unlimited and the
 script says so. ``--layer-update F`` builds a model whose layers add F x as much to the residual
@@ -267,7 +268,6 @@ def main() -> None:
     if args.device == "cuda" and not args.slots:
         ap.error("--device cuda needs --slots (the device slots in front of the host tier)")
     from expertcache.ggufmodel.header import read_header
-    from expertcache.runtime.directio import read_bandwidth
     from expertcache.sizes import format_size, parse_size
 
     folder = Path(args.dir)
@@ -281,8 +281,7 @@ def main() -> None:
     experts_bytes, file_bytes = header.experts_bytes, model.stat().st_size
     print(f"model {model}: {format_size(file_bytes)}, experts {format_size(experts_bytes)} "
           f"({header.num_experts} x {len(header.moe_blocks)} layers, {format_size(header.expert_bytes)} each)")
-    _drop_caches()
-    bandwidth = read_bandwidth(model, limit=file_bytes)
+    bandwidth = _bandwidth(model, file_bytes)
     print(f"O_DIRECT read bandwidth {bandwidth / 1e9:.2f} GB/s (4 threads, 512 KiB blocks, whole file)", flush=True)
     ref_settings = dict(host_memory="copy")
     front = {"device": args.device}
@@ -315,6 +314,7 @@ def main() -> None:
               "(the tokens the cpu_repack='off' runs are checked against)", flush=True)
     rounds = []
     for rnd in range(args.repeats):  # interleaved: load from other processes hits every config alike
+        bw_before = _bandwidth(model, file_bytes)  # the drive's rate drifts too (0.94-1.26 GB/s, one hour)
         ref = run(model, "copy (all in RAM, reference)", ref_settings, args.tokens, args.threads, None, front)
         print(f"round {rnd + 1}: reference {ref.get('tok_s', 0):.2f} tok/s, peak RSS "
               f"{format_size(ref.get('peak_rss', 0))}", flush=True)
@@ -339,12 +339,16 @@ def main() -> None:
         # work); the round's all-in-RAM speed is the mean of the runs before and after
         after = run(model, "copy (all in RAM, reference)", ref_settings, args.tokens, args.threads, None, front)
         ref = _bracket(ref, after)
+        bw_after = _bandwidth(model, file_bytes)
+        round_bw = (bw_before + bw_after) / 2
         print(f"round {rnd + 1}: reference after {after.get('tok_s', 0):.2f} tok/s; all in RAM "
-              f"{ref.get('tok_s', 0):.2f} tok/s (mean)", flush=True)
+              f"{ref.get('tok_s', 0):.2f} tok/s (mean); O_DIRECT {bw_before / 1e9:.2f} GB/s before, "
+              f"{bw_after / 1e9:.2f} after", flush=True)
         for r in runs:
-            _score(r, ref, bandwidth, plain_ref if r.get("plain_kernels") and plain_ref else None)
+            _score(r, ref, round_bw, plain_ref if r.get("plain_kernels") and plain_ref else None)
             print(_line(r, format_size), flush=True)
-        rounds.append({"reference": ref, "runs": runs})
+        rounds.append({"reference": ref, "runs": runs, "odirect_bandwidth": round_bw,
+                       "odirect_bandwidth_before_after": [bw_before, bw_after]})
     # per configuration, its fastest round (the least disturbed by other processes)
     best = {}
     for rnd in rounds:
@@ -401,6 +405,13 @@ def _bracket(before: dict, after: dict) -> dict:
         (before["steady_tok_s"] + after["steady_tok_s"]) / 2
     return {**before, "tok_s": (before["tok_s"] + after["tok_s"]) / 2, "steady_tok_s": steady,
             "tok_s_before": before["tok_s"], "tok_s_after": after["tok_s"]}
+
+
+def _bandwidth(model: Path, file_bytes: int) -> float:
+    """The drive's O_DIRECT read rate on the model file, the page cache dropped first."""
+    from expertcache.runtime.directio import read_bandwidth
+    _drop_caches()
+    return read_bandwidth(model, limit=file_bytes)
 
 
 def _tier(share: int) -> dict:
