@@ -313,12 +313,16 @@ class TieredStore:
     def _target(self, layer: int, part: str, n: int, dst: dict[str, np.ndarray], row: int, plain: bool = False):
         """Where a read of ``part`` lands: the row's view, and the repack into it (or None: copied)."""
         view = dst[part][row, :n]
-        packer = None if self.repack is None or plain else self.repack[layer].get(part)
+        packer = None if plain else self._packer(layer, part)
         return view, None if packer is None else partial(packer.pack, view.ctypes.data)
+
+    def _packer(self, layer: int, part: str):
+        """The ``RowRepack`` of ``part``'s rows at ``layer``, or None: they hold the file's bytes."""
+        return None if self.repack is None else self.repack[layer].get(part)
 
     def put(self, layer: int, part: str, dst: np.ndarray, src: np.ndarray) -> None:
         """An expert's file bytes ``src`` into the row ``dst`` (repacked where the tier's rows are)."""
-        packer = None if self.repack is None else self.repack[layer].get(part)
+        packer = self._packer(layer, part)
         if packer is None:
             dst[:src.nbytes] = src
         else:
