@@ -1,4 +1,4 @@
-"""``benchmarks/bench_tiers.py``'s scoring: decode-only disk bytes and the bracketing references."""
+"""``benchmarks/bench_tiers.py``'s scoring (decode-only disk bytes, the bracketing references) and model files."""
 
 from __future__ import annotations
 
@@ -75,3 +75,12 @@ def test_runs_on_plain_kernels_are_checked_against_plain_kernels_tokens(bench):
     assert run["of_bound"] == 30.0 / 50.0                       # the speed still against the round's reference
     bench._score(run, repacked, bandwidth=1 << 20)
     assert not run["tokens_equal_reference"] and run["tokens_reference"] == "all in RAM"
+
+
+def test_model_files_keep_the_default_name_and_name_each_knob(bench):
+    """Runs of earlier sessions named these files: the default and --layer-update names must not move."""
+    folder = Path("d")
+    assert bench.model_path(folder) == folder / "qwen3moe-q4_0-tiers.gguf"
+    assert bench.model_path(folder, 0.3).name == "qwen3moe-q4_0-tiers-update0.3.gguf"
+    assert bench.model_path(folder, 0.01, 2).name == "qwen3moe-q4_0-tiers-update0.01-shared2.gguf"
+    assert bench.model_path(folder, 1, 1.5).name == "qwen3moe-q4_0-tiers-shared1.5.gguf"

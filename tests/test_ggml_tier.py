@@ -77,12 +77,26 @@ def test_other_families_tier_graph_equals_the_resident_graph_and_the_eager_tier(
     assert tier["prefetch"]["guessed"] > 0  # the next layers' guesses ran (DeepSeek: in the kept groups)
 
 
-def test_read_ahead_changes_no_count_and_no_logit(model_file):
+@pytest.mark.parametrize("reader", ["aio", "aio-late", "threads"])
+def test_read_ahead_changes_no_count_and_no_logit(model_file, monkeypatch, reader):
     """The table plans each step as without the guesses: the same hits and reads, the same logits;
-    the guesses' used reads replace reads of the step, their wasted bytes are counted apart."""
+    the guesses' used reads replace reads of the step, their wasted bytes are counted apart.
+    Kernel AIO: a guess's reads start with no row and land in the one its step names, at once if
+    done, else with the step's reads (``aio-late``: never polled, so most land so); reader
+    threads: through staging rows."""
+    from expertcache.runtime.kernelaio import AioPool
+
+    if reader == "threads":
+        monkeypatch.setenv("EXPERTCACHE_AIO", "0")
+    if reader == "aio-late":
+        monkeypatch.setattr(AioPool, "poll", lambda self: None)
     runs = []
     for ahead in (True, False):
         model = _tiered(model_file)
+        prefetch = model._expertcache_graph.prefetch
+        if reader != "threads" and not prefetch.direct:
+            pytest.skip(f"no kernel AIO here: {model.expertcache.tier.reader.kind}")
+        assert prefetch.direct == (reader != "threads") and bool(prefetch.staging) == (reader == "threads")
         if ahead:
             model._expertcache_graph.prefetch.min_precision = 0.0   # read every guess, however poor
         else:
@@ -95,6 +109,8 @@ def test_read_ahead_changes_no_count_and_no_logit(model_file):
             assert p["read_ahead"] == p["guessed_missing"] > 0
             assert p["used"] == p["guessed_right"] > 0
             assert p["used"] + p["wasted"] + p["pending"] == p["read_ahead"]
+            assert (p["used_late"] > 0) if reader == "aio-late" else True
+            assert p["used_late"] == 0 if reader == "threads" else p["used_late"] <= p["used"]
         runs.append((out, {k: d[k] for k in ("accesses", "ram_hits", "file_reads", "file_bytes")}))
         if not ahead:  # decode: the pairs of experts read now ran after the reads, the others while
             late = sum(graph.late_pairs for graph in model._expertcache_graph.graphs.values())

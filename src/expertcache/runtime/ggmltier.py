@@ -43,10 +43,10 @@ tier (a prompt's bypasses) points the layer's leaves at the step's compact copy 
 
 Read-ahead (decode steps): layer l+1's router applied to layer l's MoE input (the residual
 stream changes little from one layer to the next) guesses layer l+1's experts; those not in
-the tier are read into staging rows (by the tier's reader) while segment l+1 computes. When
-layer l+1's step loads one of them, its bytes are copied from the staging row instead of read
-(``Prefetch.take``); the table plans the step as without the guess, so hits, loads and
-evictions do not change. ``stats()['tier']['prefetch']`` counts experts read ahead, those a
+the tier are read (by the tier's reader) while segment l+1 computes. When layer l+1's step
+loads one of them, the read lands in the row the step names instead of being started then
+(kernel AIO; with reader threads its bytes are copied from a staging row: ``Prefetch.take``);
+the table plans the step as without the guess, so hits, loads and evictions do not change. ``stats()['tier']['prefetch']`` counts experts read ahead, those a
 step used and the bytes read for nothing.
 
 Repacked rows (``cpu_repack='auto'``): the rows of the parts ggml repacks hold ggml's repacked
@@ -368,11 +368,18 @@ class _TierStepGraph(_StepGraph):
 
 
 class Prefetch:
-    """Experts of the next MoE layer, guessed, read ahead into ``width`` staging rows
-    (``staging[part]`` ``[width, stride]``) by the tier's reader.
+    """Experts of the next MoE layer, guessed, read ahead by the tier's reader.
 
-    One batch at a time: ``issue`` first waits for what is left of the last batch (long read
-    by then) and counts it wasted; ``take`` hands a step the bytes of an expert it loads.
+    With kernel AIO (runtime/kernelaio.py) a guess's reads start with no destination; a step
+    that loads the expert names its row (``TieredStore.bind``), and the payload lands there
+    (repacked where the rows are) as it would from the step's own read: at once if the read is
+    done, else with the step's reads in ``finish``. Reads no step took land nowhere. With reader
+    threads they go into ``width`` staging rows (``staging[part]`` ``[width, stride]``) and a
+    load copies them out.
+
+    One batch at a time: ``issue`` first drops what is left of the last batch (counted wasted;
+    staging reads are waited for, they write rows the next batch reuses); ``take`` hands a step
+    an expert it loads.
 
     Reads ahead only while they pay: every guess is scored (of the guessed experts missing from
     the tier, the share the step then loaded), read or not, and a batch is read while the
@@ -383,9 +390,11 @@ class Prefetch:
 
     def __init__(self, store, width: int, min_precision: float = 0.5) -> None:
         self.store, self.width, self.min_precision = store, width, min_precision
-        self.staging = {p: np.zeros((width, s), np.uint8) for p, s in store.stride.items()}
+        self.direct = hasattr(store.reader, "bind")  # kernel AIO: reads land in the step's rows
+        self.staging = {} if self.direct else {p: np.zeros((width, s), np.uint8) for p, s in store.stride.items()}
         self.layer: int | None = None
-        self.batch: dict[int, tuple[int, list, float]] = {}  # expert -> (staging row, futures, start)
+        self.batch: dict[int, tuple[int, list, float]] = {}  # expert -> (staging row, reads, start)
+        self.dropped: list = []        # AIO: reads of the last batch no step took, reaped at the next drop
         self.guess: set[int] = set()   # the last guess's experts missing from the tier (read or not)
         self.loaded = 0                # of those, loaded by their step
         self.precision = 1.0           # moving average of loaded / guessed-missing: starts reading
@@ -397,6 +406,7 @@ class Prefetch:
         self.right = 0       # of those, loaded by their step (read ahead or not)
         self.read = len(self.batch)  # read ahead (in flight counted)
         self.used = 0        # read ahead and then loaded by their step
+        self.late = 0        # of those, still in flight at their step (AIO: landed with the step's reads)
         self.wasted = 0      # read ahead and not loaded
         self.wasted_bytes = 0
         self.used_bytes = 0
@@ -415,7 +425,8 @@ class Prefetch:
             f.check()
         for row, e in enumerate(missing):
             t0 = time.perf_counter()
-            jobs = self.store._jobs(layer, e, self.staging, row, plain=True)  # repacked when taken
+            jobs = self.store.loose_jobs(layer, e) if self.direct else \
+                self.store._jobs(layer, e, self.staging, row, plain=True)  # repacked when taken
             self.batch[e] = (row, self.store.reader.submit(jobs), t0)
         self.read += len(missing)
 
@@ -423,36 +434,53 @@ class Prefetch:
         """Whether ``expert`` of ``layer`` is being read ahead (its step takes it, not reads it)."""
         return layer == self.layer and expert in self.batch
 
-    def take(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> ReadCounters | None:
-        """Copy ``expert``'s bytes into ``dst[part][row]`` if it was read ahead: its counters."""
+    def take(self, layer: int, expert: int, dst: dict[str, np.ndarray], row: int) -> ReadCounters | list | None:
+        """Put ``expert`` into ``dst[part][row]`` if it was read ahead: its counters once there,
+        or its reads (AIO, still in flight), bound to the row for the step to collect; None: not
+        read ahead."""
         if layer != self.layer or expert not in self.guess:
             return None
         self.loaded += 1
         self.right += 1
         if expert not in self.batch:
             return None
-        at, futures, t0 = self.batch.pop(expert)
-        got = self.store.reader.collect(futures, t0)
+        at, reads, t0 = self.batch.pop(expert)
+        self.used += 1
+        if self.direct:
+            self.store.bind(layer, expert, reads, dst, row)
+            self.used_bytes += sum(r.nbytes for r in reads)
+            self.store.reader.poll()
+            if any(not r.done() for r in reads):  # the step collects them with its own reads
+                self.late += 1
+                return reads
+            return self.store.reader.collect(reads, t0)  # landed now: the step need not wait
+        got = self.store.reader.collect(reads, t0)
         for p, rng in self.store.layers[layer].items():
             self.store.put(layer, p, dst[p][row], self.staging[p][at, :rng.nbytes])
-        self.used += 1
         self.used_bytes += got.bytes
         return got
 
     def drain(self) -> None:
-        """Score the last guess; wait for its unused reads (they write the staging rows): wasted."""
+        """Score the last guess; drop its unused reads (wasted). Staging reads are waited for (they
+        write rows the next batch reuses); AIO reads land nowhere, reaped one batch later."""
         if self.guess:
             self.precision = 0.8 * self.precision + 0.2 * self.loaded / len(self.guess)
-        for _, futures, t0 in self.batch.values():
-            got = self.store.reader.collect(futures, t0)
+        if self.dropped:
+            self.store.reader.collect(self.dropped, time.perf_counter())
+        self.dropped = []
+        for _, reads, t0 in self.batch.values():
             self.wasted += 1
-            self.wasted_bytes += got.bytes
+            if self.direct:
+                self.dropped += reads
+                self.wasted_bytes += sum(r.nbytes for r in reads)
+            else:
+                self.wasted_bytes += self.store.reader.collect(reads, t0).bytes
         self.batch, self.layer, self.guess, self.loaded = {}, None, set(), 0
 
     def stats(self) -> dict:
         return {"guessed": self.guessed, "guessed_missing": self.missing, "guessed_right": self.right,
                 "precision": round(self.precision, 3), "min_precision": self.min_precision,
-                "read_ahead": self.read, "used": self.used, "wasted": self.wasted,
+                "read_ahead": self.read, "used": self.used, "used_late": self.late, "wasted": self.wasted,
                 "pending": len(self.batch),  # the last batch's unused reads: counted wasted at the next
                 "used_bytes": self.used_bytes, "wasted_bytes": self.wasted_bytes,
                 "staging_bytes": sum(a.nbytes for a in self.staging.values())}

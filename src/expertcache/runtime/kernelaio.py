@@ -14,6 +14,10 @@ destination row on the caller's thread, each as it completes, while the others s
 A read may start before its destination is known (``dst`` None) and be given one later
 (``bind``): the tier reads a step's missing experts before its table has chosen their rows.
 
+Bounce buffers are carved from anonymous maps advised ``MADV_HUGEPAGE``: ``io_submit`` pins a
+read's buffer pages, and on 2 MiB pages that took 36 us for three 432 KiB reads against 86 us
+on 4 KiB pages (EPYC sandbox, transparent huge pages on; where they are off it changes nothing).
+
 Only with ``O_DIRECT`` (buffered reads under kernel AIO run synchronously inside
 ``io_submit``), on little-endian x86_64 and aarch64 (the syscall numbers and ``struct iocb``
 layout of ``linux/aio_abi.h`` are spelled out here: no libaio on the machines this runs on),
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import platform
 import sys
@@ -40,6 +45,8 @@ from .directio import ALIGN, DirectFile, ReadCounters
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2), "arm64": (0, 1, 4, 2)}
 _DEPTH = 256         # reads in flight at most (the context's events): a step reads far fewer
 _PREAD = 0           # IOCB_CMD_PREAD
+_HUGE = 2 << 20      # a transparent huge page on x86_64 and aarch64 (4 KiB base pages)
+_CHUNK = 16 << 20    # bounce buffers are carved from maps of this size (or one read's, if larger)
 
 
 class _Iocb(ctypes.Structure):  # struct iocb, little-endian (aio_key before aio_rw_flags)
@@ -84,6 +91,7 @@ class AioPool:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         self._flight: dict[int, _Read] = {}  # id -> read submitted and not yet reaped
         self._free: dict[int, list[np.ndarray]] = {}  # bounce buffers by size
+        self._arena = np.empty(0, np.uint8)           # what is left of the last map to carve them from
         self._events = (_Event * _DEPTH)()
         self._next = 0
         self._lock = threading.Lock()  # one caller at a time reaps and submits
@@ -112,6 +120,12 @@ class AioPool:
         if dst.nbytes != read.nbytes:
             raise ValueError(f"a read of {read.nbytes} bytes ({read.what}) bound to {dst.nbytes} bytes")
         read.dst, read.put = dst, put
+
+    def poll(self) -> None:
+        """Mark the reads the kernel has finished as done, without waiting (``collect`` lands them)."""
+        with self._lock:
+            if self._flight:
+                self._reap(0)
 
     def settle(self, started, count: int, timeout: float = 0.01) -> None:
         """Nothing to wait for: every read is in the kernel once ``submit`` returns."""
@@ -218,12 +232,26 @@ class AioPool:
             self._free.setdefault(buf.nbytes, []).append(buf)
 
     def _buffer(self, size: int) -> np.ndarray:
+        """A page-aligned bounce buffer of ``size`` bytes: a freed one, else carved from a map."""
         free = self._free.get(size)
         if free:
             return free.pop()
-        raw = np.empty(size + ALIGN, np.uint8)
-        skip = -raw.ctypes.data % ALIGN
-        return raw[skip:skip + size]  # page-aligned view (keeps ``raw`` alive)
+        if self._arena.nbytes < size:
+            self._arena = _huge_map(max(_CHUNK, size))
+        buf, self._arena = self._arena[:size], self._arena[-(-size // ALIGN) * ALIGN:]
+        return buf  # a view: keeps its map alive
+
+
+def _huge_map(size: int) -> np.ndarray:
+    """``size`` bytes of a fresh anonymous map, 2 MiB-aligned, advised to use huge pages."""
+    m = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP here: 4 KiB pages, as numpy's would be
+        pass
+    raw = np.frombuffer(m, np.uint8)
+    skip = -raw.ctypes.data % _HUGE
+    return raw[skip:skip + size]
 
 
 def open_aio(files) -> tuple[AioPool | None, str]:

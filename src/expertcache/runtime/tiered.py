@@ -192,7 +192,7 @@ class TieredStore:
                    and not (ahead is not None and ahead.holds(layer, e))]
         if not missing:
             return {}
-        jobs = [(f, None, offset, what, None, n) for e in missing for _, n, f, offset, what in self._parts(layer, e)]
+        jobs = [job for e in missing for job in self.loose_jobs(layer, e)]
         reads, parts = self.reader.submit(jobs), len(self.layers[layer])
         return {e: reads[i * parts:(i + 1) * parts] for i, e in enumerate(missing)}
 
@@ -283,12 +283,13 @@ class TieredStore:
         ``ahead`` had it."""
         if expert in early:
             reads = early.pop(expert)
-            for r, (p, n, *_) in zip(reads, self._parts(layer, expert)):
-                self.reader.bind(r, *self._target(layer, p, n, dst, row))
+            self.bind(layer, expert, reads, dst, row)
             return [], reads
         if ahead is not None:
             t = time.perf_counter()
             got = ahead(layer, expert, dst, row)
+            if isinstance(got, list):  # read ahead, still in the kernel, now bound to the row: lands in finish
+                return [], got
             if got is not None:  # its bytes count as this step's read (what the table counts)
                 self.counts[phase].add(got)
                 self.waited[phase] += time.perf_counter() - t
@@ -303,6 +304,15 @@ class TieredStore:
             view, put = self._target(layer, p, n, dst, row, plain)
             out.append((f, view, offset, what) if put is None else (f, view, offset, what, put))
         return out
+
+    def loose_jobs(self, layer: int, expert: int) -> list:
+        """The reads of ``expert`` with no destination yet (kernel AIO; ``bind`` names it later)."""
+        return [(f, None, offset, what, None, n) for _, n, f, offset, what in self._parts(layer, expert)]
+
+    def bind(self, layer: int, expert: int, reads: list, dst: dict[str, np.ndarray], row: int) -> None:
+        """``expert``'s reads started by ``loose_jobs`` land in ``dst[part][row]`` (repacked where the rows are)."""
+        for r, (p, n, *_) in zip(reads, self._parts(layer, expert)):
+            self.reader.bind(r, *self._target(layer, p, n, dst, row))
 
     def _parts(self, layer: int, expert: int):
         """(part, bytes, file, offset, what) of each part of ``expert``, in the layer's part order."""
