@@ -65,11 +65,19 @@ PROMPT = [5, 9, 77, 120, 3, 44, 200, 17]  # token ids of the byte-level vocabula
 
 
 # -- the model ----------------------------------------------------------------------------
-def build_model(path: Path, seed: int = 0, update: float = 1.0) -> Path:
+def model_path(folder: Path, update: float = 1.0, shared: float = 0.0) -> Path:
+    """The bench model's file for these knobs (the default model's name unchanged)."""
+    tail = ("" if update == 1 else f"-update{update:g}") + (f"-shared{shared:g}" if shared else "")
+    return folder / f"qwen3moe-q4_0-tiers{tail}.gguf"
+
+
+def build_model(path: Path, seed: int = 0, update: float = 1.0, shared: float = 0.0) -> Path:
     """A Qwen3-MoE GGUF: dense part from a random transformers model (tiny expert FF, so it
     builds in seconds), experts as random Q4_0 blocks of the real FF size. ``update`` scales
     what each layer adds to the residual stream (attention's output projection, the experts'
-    down projection): below 1 the context moves the routing less, token to token."""
+    down projection): below 1 the context moves the routing less, token to token, and layer
+    l's MoE input guesses layer l+1's routing better. ``shared`` adds one direction to every
+    token's embedding, ``shared`` times a token's own norm: the tokens route more alike."""
     import gguf
     import numpy as np
     import torch
@@ -91,6 +99,8 @@ def build_model(path: Path, seed: int = 0, update: float = 1.0) -> Path:
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, ROUTER_STD)
         model.model.embed_tokens.weight.normal_(0, EMBED_STD)  # each token's own direction counts
+        if shared:  # drawn after every default draw: shared=0 leaves the file byte for byte as it was
+            model.model.embed_tokens.weight.add_(torch.randn(s["hidden"]) * EMBED_STD * shared)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(update)
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
@@ -135,8 +145,12 @@ def child(spec: dict) -> None:
     # the CPU engine computes every expert from the host (resident); on a GPU, device slots sit in
     # front of the host tier (a slot miss served from RAM, else from the file)
     front = {"slots": spec["slots"]} if spec.get("slots") else {"baseline": "resident"}
-    model = expertcache.offload(spec["model"], device=spec.get("device", "cpu"), **front, **spec["settings"])
+    settings = dict(spec["settings"])
+    read_ahead = settings.pop("read_ahead", True)  # the bench's switch, not an offload setting
+    model = expertcache.offload(spec["model"], device=spec.get("device", "cpu"), **front, **settings)
     load_s = time.perf_counter() - t0
+    if not read_ahead and getattr(model.expertcache.tier, "ahead", None) is not None:
+        model.expertcache.tier.ahead.min_precision = 2.0  # never reads ahead (still scores its guesses)
     ids = torch.tensor([PROMPT])
     cache = model.expertcache
     cache.reset_stats()
@@ -251,6 +265,8 @@ def main() -> None:
                     "(cpu_graph='off'): before and after the one-graph decode, side by side")
     ap.add_argument("--rows-plain", action="store_true", help="also run each tier with its rows the file's "
                     "bytes (cpu_repack='off'; by default they hold ggml's repacked layout)")
+    ap.add_argument("--no-read-ahead", action="store_true", help="also run each tier with the router read-ahead "
+                    "off (runtime/ggmltier.py Prefetch): what reading the next layer's guessed experts buys")
     ap.add_argument("--device", default="cpu", help="cpu (the CPU engine, every expert from the host) or "
                     "cuda (device slots in front of the host tier: give --slots)")
     ap.add_argument("--slots", type=int, help="device slots as a %% of the experts, in front of every configuration")
@@ -258,6 +274,8 @@ def main() -> None:
                     "numba cache already compiled, as gpu_check.sh's earlier steps leave it)")
     ap.add_argument("--layer-update", type=float, default=1.0, help="scale of what each layer adds to the "
                     "residual stream (below 1: less locality token to token, more reads; a model of its own)")
+    ap.add_argument("--shared", type=float, default=0.0, help="a direction shared by every token's embedding, "
+                    "this many times a token's own norm (the tokens route more alike; a model of its own)")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
@@ -272,11 +290,10 @@ def main() -> None:
 
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
-    model = folder / ("qwen3moe-q4_0-tiers.gguf" if args.layer_update == 1 else
-                      f"qwen3moe-q4_0-tiers-update{args.layer_update:g}.gguf")
+    model = model_path(folder, args.layer_update, args.shared)
     if not model.exists():
         print(f"building {model} ...", flush=True)
-        build_model(model, update=args.layer_update)
+        build_model(model, update=args.layer_update, shared=args.shared)
     header = read_header(model)
     experts_bytes, file_bytes = header.experts_bytes, model.stat().st_size
     print(f"model {model}: {format_size(file_bytes)}, experts {format_size(experts_bytes)} "
@@ -331,6 +348,8 @@ def main() -> None:
                 configs.append((f"tiered {share}% rows plain", dict(_tier(share), cpu_repack="off")))
             if args.per_layer:
                 configs.append((f"tiered {share}% per-layer", dict(_tier(share), cpu_graph="off")))
+            if args.no_read_ahead:
+                configs.append((f"tiered {share}% no read-ahead", dict(_tier(share), read_ahead=False)))
             for label, settings in configs:
                 r = run(model, label, settings, args.tokens, args.threads, cgroup, front)
                 r.update(limit=limit, pair=share, round=rnd + 1, plain_kernels=settings.get("cpu_repack") == "off")
@@ -359,7 +378,7 @@ def main() -> None:
             if label in best]
     ref = max((rnd["reference"] for rnd in rounds), key=lambda r: r.get("tok_s", 0))
     doc = {"machine": _machine(), "load_before": os.getloadavg(), **front, "model": str(model),
-           "layer_update": args.layer_update, "file_bytes": file_bytes,
+           "layer_update": args.layer_update, "shared": args.shared, "file_bytes": file_bytes,
            "experts_bytes": experts_bytes, "shape": SHAPE, "odirect_bandwidth": bandwidth,
            "limits": limits, "tokens": args.tokens, "threads": args.threads, "plain_reference": plain_ref,
            "reference": ref, "runs": rows, "rounds": rounds, "repeats": args.repeats, "uptime": subprocess.run(["uptime"], capture_output=True,
@@ -377,6 +396,7 @@ def main() -> None:
             by = {r["label"]: r for r in rnd["runs"] if "error" not in r}
             a, b, c = by.get("tiered 25%"), by.get("mmap (25% limit)"), by.get("tiered 25% per-layer")
             plain = by.get("tiered 25% rows plain")
+            blind = by.get("tiered 25% no read-ahead")
             if a and b:
                 per_round.append({"speedup_25_vs_mmap": a["tok_s"] / b["tok_s"],
                                   "disk_bytes_ratio_25_vs_mmap": a["disk_bytes_per_token"] / b["disk_bytes_per_token"],
@@ -384,7 +404,8 @@ def main() -> None:
                                   "of_bound_25_steady": a.get("of_bound_steady"),
                                   "of_serial_bound_25": a.get("of_serial_bound"),
                                   **({"graph_vs_per_layer_25": a["tok_s"] / c["tok_s"]} if c else {}),
-                                  **({"repacked_vs_plain_rows_25": a["tok_s"] / plain["tok_s"]} if plain else {})})
+                                  **({"repacked_vs_plain_rows_25": a["tok_s"] / plain["tok_s"]} if plain else {}),
+                                  **({"read_ahead_vs_none_25": a["tok_s"] / blind["tok_s"]} if blind else {})})
         doc["goals"]["per_round"] = per_round
         print("goals:", json.dumps(doc["goals"]))
     print(doc["uptime"])
@@ -516,9 +537,10 @@ def _plot(doc: dict, path: Path) -> None:
     a.legend(fontsize=8)
     b.set_ylabel("MiB read from disk per decode token")
     limits = ", ".join(f"{k}%: {v['limit'] / 2**20:.0f} MiB" for k, v in doc["limits"].items())
-    update = doc.get("layer_update", 1)
+    update, shared = doc.get("layer_update", 1), doc.get("shared", 0)
     fig.suptitle(f"{doc['machine']}; load {doc['load_before'][0]:.1f}; cgroup limits {limits}; file "
                  f"{doc['file_bytes'] / 2**20:.0f} MiB" + ("" if update == 1 else f" (layer update {update:g})")
+                 + (f" (shared embedding {shared:g})" if shared else "")
                  + f"; O_DIRECT {doc['odirect_bandwidth'] / 1e9:.2f} GB/s",
                  fontsize=8)
     fig.tight_layout()

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "src"))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/tiers-bench")
+    ap.add_argument("--model", help="a GGUF (default: the bench's default model in --dir)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--share", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
@@ -97,6 +98,8 @@ def main() -> None:
         timed(tiered.TieredStore, "finish", lambda a: "wait: TieredStore.finish")
         timed(ggmltier.Prefetch, "issue", lambda a: "python: Prefetch.issue (in _start)")
         timed(ggmltier.Prefetch, "drain", lambda a: "wait: Prefetch.drain")
+        timed(ggmltier.Prefetch, "take", lambda a: "python: Prefetch.take (read ahead -> row, in _start)")
+        timed(tiered.TieredStore, "put", lambda a: "python: a part copied/repacked into its row (put)")
         timed(G, "_compute", lambda a: "forward: _compute (whole graph)")
         timed(tiered.SlotTable, "step", lambda a: "python: table step (in _start)")
         timed(tiered.TieredStore, "_fill", lambda a: "python: reads planned (in _start)")
@@ -126,7 +129,7 @@ def main() -> None:
 
     settings = dict(host_memory="copy", cpu_repack=args.repack) if args.reference else dict(host_memory="tiered",
                                                                      host_budget=f"{args.share}%")
-    model = expertcache.offload(str(Path(args.dir) / "qwen3moe-q4_0-tiers.gguf"), device="cpu",
+    model = expertcache.offload(args.model or str(Path(args.dir) / "qwen3moe-q4_0-tiers.gguf"), device="cpu",
                                 baseline="resident", **settings)
     cache = model.expertcache
     if args.no_prefetch and not args.reference:
