@@ -37,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the other tree (holding benchmarks/bench_tiers.py and src)")
     ap.add_argument("--dir", default="/tmp/tiers-bench", help="where bench_tiers.py built its model")
+    ap.add_argument("--model", help="a GGUF built by bench_tiers.py (default: its default model in --dir)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--share", type=int, default=25, help="the tier's budget, %% of the experts")
     ap.add_argument("--limit", default="871MiB", help="the cgroup limit of the tier runs")
@@ -51,7 +52,7 @@ def main() -> None:
     this, base = _load("bench_this", HERE / "bench_tiers.py"), _load("bench_base", other)
     from expertcache.sizes import parse_size
 
-    model = Path(args.dir) / "qwen3moe-q4_0-tiers.gguf"
+    model = Path(args.model) if args.model else Path(args.dir) / "qwen3moe-q4_0-tiers.gguf"
     if not model.exists():
         raise SystemExit(f"{model} not found: run benchmarks/bench_tiers.py --dir {args.dir} once to build it")
     cgroup, text = this.make_cgroup("expertcache-tiers", parse_size(args.limit))
@@ -80,7 +81,8 @@ def main() -> None:
     ratios = [r["this_over_base"] for r in rounds]
     print(f"this / base: median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"base": args.base, "share": args.share, "limit": args.limit,
+        Path(args.json).write_text(json.dumps({"base": args.base, "model": str(model), "share": args.share,
+                                               "limit": args.limit, "tokens": args.tokens,
                                                "machine": this._machine(), "rounds": rounds}, indent=1))
 
 
