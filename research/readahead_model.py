@@ -14,7 +14,8 @@ l's MoE input; on the bench model's random weights the guesses are right 0.01-0.
 For each (F, S) this builds the model (kept in ``--dir``) and decodes ``--tokens`` sampled tokens
 with a tier of ``--share`` % (no memory limit, one process each), then prints the decode's tier
 hit rate, file bytes a token, and the guesses' precision (of the guessed experts missing from the
-tier, the share the step then loaded: what ``Prefetch`` scores, read or not).
+tier, the share the step then loaded: what ``Prefetch`` scores, read or not) and their accuracy
+(of all the guessed experts, those the step routed to).
 
     PYTHONPATH=src .venv/bin/python research/readahead_model.py --grid 0.1,0 0.1,1 0.05,2
 """
@@ -37,7 +38,9 @@ def child(spec: dict) -> None:
 
     import expertcache
     from bench_tiers import PROMPT
+    from expertcache.runtime import ggmltier, tiered
     from expertcache.runtime.generate import report
+    from expertcache.stats import DECODE
 
     torch.set_num_threads(2)
     model = expertcache.offload(spec["model"], device="cpu", baseline="resident", host_memory="tiered",
@@ -45,10 +48,9 @@ def child(spec: dict) -> None:
     cache = model.expertcache
     if spec.get("read_ahead") is not None:
         cache.tier.ahead.min_precision = {"all": 0.0, "off": 2.0}[spec["read_ahead"]]
-    from expertcache.runtime import ggmltier, tiered
-
-    overlap = [0, 0]  # guessed experts the step then routed to, guessed (all, not only the missing)
-    guesses = {}
+    # accuracy: of all guessed experts (missing from the tier or not), those the step routed to
+    overlap = [0, 0]  # right, guessed
+    guesses = {}  # layer -> the experts last guessed for it
     issue, start = ggmltier.Prefetch.issue, tiered.TieredStore.start
 
     def issue_(self, layer, experts):
@@ -56,7 +58,7 @@ def child(spec: dict) -> None:
         return issue(self, layer, experts)
 
     def start_(self, layer, experts, phase, ahead=None):
-        if layer in guesses and len(experts) <= 8:
+        if layer in guesses and phase == DECODE:
             overlap[0] += len(guesses.pop(layer) & set(experts))
             overlap[1] += len(experts)
         return start(self, layer, experts, phase, ahead)
@@ -98,7 +100,8 @@ def main() -> None:
         if not path.exists():
             build_model(path, update=update, shared=shared)
         spec = {"model": str(path), "share": args.share, "tokens": args.tokens, "read_ahead": args.read_ahead}
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                              capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if not lines:
             print(f"{update:6g} {shared:5g} failed: {proc.stderr.splitlines()[-3:]}")

@@ -109,8 +109,11 @@ def test_read_ahead_changes_no_count_and_no_logit(model_file, monkeypatch, reade
             assert p["read_ahead"] == p["guessed_missing"] > 0
             assert p["used"] == p["guessed_right"] > 0
             assert p["used"] + p["wasted"] + p["pending"] == p["read_ahead"]
-            assert (p["used_late"] > 0) if reader == "aio-late" else True
-            assert p["used_late"] == 0 if reader == "threads" else p["used_late"] <= p["used"]
+            assert p["used_late"] <= p["used"]
+            if reader == "aio-late":    # never polled: most landed with their step's reads
+                assert p["used_late"] > 0
+            if reader == "threads":     # through staging rows, each landed when taken
+                assert p["used_late"] == 0
         runs.append((out, {k: d[k] for k in ("accesses", "ram_hits", "file_reads", "file_bytes")}))
         if not ahead:  # decode: the pairs of experts read now ran after the reads, the others while
             late = sum(graph.late_pairs for graph in model._expertcache_graph.graphs.values())

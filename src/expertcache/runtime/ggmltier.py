@@ -46,8 +46,9 @@ stream changes little from one layer to the next) guesses layer l+1's experts; t
 the tier are read (by the tier's reader) while segment l+1 computes. When layer l+1's step
 loads one of them, the read lands in the row the step names instead of being started then
 (kernel AIO; with reader threads its bytes are copied from a staging row: ``Prefetch.take``);
-the table plans the step as without the guess, so hits, loads and evictions do not change. ``stats()['tier']['prefetch']`` counts experts read ahead, those a
-step used and the bytes read for nothing.
+the table plans the step as without the guess, so hits, loads and evictions do not change.
+``stats()['tier']['prefetch']`` counts experts read ahead, those a step used and the bytes read
+for nothing.
 
 Repacked rows (``cpu_repack='auto'``): the rows of the parts ggml repacks hold ggml's repacked
 layout, each expert repacked as it is read (``TieredStore.repack_rows``, quant/ggmlrepack.py
