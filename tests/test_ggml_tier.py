@@ -60,7 +60,9 @@ def test_tier_graph_equals_the_resident_graph_and_the_eager_tier(model_file):
     # the file's bytes and the graph reads them with the resident graph's in-place kernel
     model, tier = _tier_graph_equals_the_references(model_file)
     ahead = tier["prefetch"]
-    assert ahead["guessed"] == (NEW - 1) * 2 * 2       # decode steps x next layers x top-k
+    # decode steps x MoE layers (the first guessed from the token's embedding) x top-k
+    assert ahead["guessed"] == (NEW - 1) * 3 * 2
+    assert 0 <= ahead["precision_embedding"] <= 1 and 0 <= ahead["precision"] <= 1  # each kind scored
     assert ahead["read_ahead"] > 0 and ahead["used"] > 0  # guesses were read ahead, and some loaded
     assert "read ahead" in model.expertcache.tier.summary_line()
 
@@ -121,6 +123,36 @@ def test_read_ahead_changes_no_count_and_no_logit(model_file, monkeypatch, reade
     (a, ca), (b, cb) = runs
     assert ca == cb
     assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_the_first_layers_guess_is_its_router_on_the_embedding(model_file):
+    """No layer before the first MoE layer guesses it: its router on the token's embedding, through
+    the router's norm (attention left out), as transformers' modules compute it."""
+    model = _tiered(model_file)
+    spec = model._expertcache_graph.spec
+    layer = model.model.layers[0]
+    for token in (5, 77, 200):
+        with torch.no_grad():
+            h = layer.post_attention_layernorm(model.model.embed_tokens(torch.tensor([[token]])))
+            logits = torch.nn.functional.linear(h, layer.mlp.gate.weight)[0, 0]
+        assert spec.first_guess(token) == (0, torch.topk(logits, 2).indices.tolist())
+
+
+def test_read_ahead_gates_each_kind_of_guess_on_its_own_precision(model_file):
+    """Guesses from the embedding that fail stop being read; the router's go on."""
+    model = _tiered(model_file)
+    prefetch, store = model._expertcache_graph.prefetch, model.expertcache.tier
+    missing = [e for e in range(16) if store.table.slot_of(1 * 16 + e) is None
+               and store.table.slot_of(2 * 16 + e) is None][:2]
+    assert len(missing) == 2
+    prefetch.precision["embedding"] = 0.1         # below min_precision (0.5)
+    prefetch.issue(1, missing, source="embedding")
+    assert not prefetch.batch and prefetch.guess == set(missing)   # scored, not read
+    prefetch.issue(2, missing)                    # the last guess scored (none loaded): lower still
+    assert prefetch.precision["embedding"] < 0.1 and set(prefetch.batch) == set(missing)
+    prefetch.drain()
+    stats = prefetch.stats()
+    assert prefetch.wasted == 2 and stats["precision"] == 0.8 and stats["precision_embedding"] == 0.08
 
 
 def test_a_step_wider_than_the_tier_reads_into_a_compact_copy(model_file):

@@ -42,8 +42,9 @@ same order of steps), so its counters equal ``sim``'s replay as before. A step w
 tier (a prompt's bypasses) points the layer's leaves at the step's compact copy instead.
 
 Read-ahead (decode steps): layer l+1's router applied to layer l's MoE input (the residual
-stream changes little from one layer to the next) guesses layer l+1's experts; those not in
-the tier are read (by the tier's reader) while segment l+1 computes. When layer l+1's step
+stream changes little from one layer to the next) guesses layer l+1's experts, and the first
+MoE layer's router on the token's embedding guesses that layer's before segment 0; those not
+in the tier are read (by the tier's reader) while the segments before their layer compute. When layer l+1's step
 loads one of them, the read lands in the row the step names instead of being started then
 (kernel AIO; with reader threads its bytes are copied from a staging row: ``Prefetch.take``);
 the table plans the step as without the guess, so hits, loads and evictions do not change.
@@ -133,6 +134,24 @@ class _TierSpec(_Spec):
                     L["moe"]["tier_biases"] = [(kernel.part[p].shape[0], p) for p in biases]
                     L["moe"]["biases"] = []
                 L["moe"]["experts"] = []
+        self.embed_module = model.get_input_embeddings()
+        self.first_moe = next(L for L in self.layers if "moe" in L)
+
+    def first_guess(self, token: int) -> tuple[int, list[int]]:
+        """The first MoE layer's experts guessed from ``token``'s embedding alone: that layer's
+        router on the embedding through the router's norm, the attention before it left out
+        (the pre-attention guess of arXiv 2511.10676, without its trained map). No layer before
+        it to guess from otherwise. (MoE layer index, top-k expert ids)."""
+        L = self.first_moe
+        moe, (w, eps) = L["moe"], L["post_norm"]
+        with torch.no_grad():
+            e = self.embed_module(torch.tensor([token]))[0].float()                   # [H]
+            logits = moe["router"] @ (e * torch.rsqrt(e.square().mean() + eps) * w)     # [E]
+            if "router_bias" in moe:
+                logits += moe["router_bias"]
+            if "sigmoid" in moe:  # DeepSeek: the biased sigmoid scores (groups left out)
+                logits = logits.sigmoid() + moe["sigmoid"]["bias"]
+            return moe["index"], torch.topk(logits, moe["top_k"]).indices.tolist()
 
 
 class _TierStepGraph(_StepGraph):
@@ -271,8 +290,11 @@ class _TierStepGraph(_StepGraph):
         cache, store, T = self.spec.cache, self.spec.store, self.tokens
         phase = cache.phase if cache.phase is not None else (PREFILL if T > 1 else DECODE)
         store.tokens[phase] += T                 # what the eager path counts at layer 0
-        if self.spec.prefetch is not None:
-            self.spec.prefetch.drain()           # guesses of the last forward are spent
+        prefetch = self.spec.prefetch
+        if prefetch is not None:
+            prefetch.drain()                     # guesses of the last forward are spent
+            if T == 1:                           # the first MoE layer's, from the token's embedding
+                prefetch.issue(*self.spec.first_guess(int(self._tok[0])), source="embedding")
         self._run(0)
         for i in range(len(self._moe_specs)):
             if T == 1:
@@ -383,8 +405,10 @@ class Prefetch:
     an expert it loads.
 
     Reads ahead only while they pay: every guess is scored (of the guessed experts missing from
-    the tier, the share the step then loaded), read or not, and a batch is read while the
-    recent precision (a moving average) is at least ``min_precision``. A wasted read costs the
+    the tier, the share the step then loaded), read or not, and a batch is read while the recent
+    precision (a moving average) of its kind of guess is at least ``min_precision``: the first
+    MoE layer's, from the token's embedding (``source='embedding'``), can fail where the next
+    layer's router on this layer's input (``'router'``) holds, and the other way round. A wasted read costs the
     disk and the cores what a used one saves (one expert each), so below about one in two the
     guesses slow decode down; a model whose layers route alike reads ahead, one that does not
     stops after a few tokens and is scored on."""
@@ -398,7 +422,8 @@ class Prefetch:
         self.dropped: list = []        # AIO: reads of the last batch no step took, reaped at the next drop
         self.guess: set[int] = set()   # the last guess's experts missing from the tier (read or not)
         self.loaded = 0                # of those, loaded by their step
-        self.precision = 1.0           # moving average of loaded / guessed-missing: starts reading
+        self.precision = {"router": 1.0, "embedding": 1.0}  # moving averages of loaded / guessed-missing
+        self.source = "router"         # the last guess's kind
         self.reset()
 
     def reset(self) -> None:
@@ -412,15 +437,15 @@ class Prefetch:
         self.wasted_bytes = 0
         self.used_bytes = 0
 
-    def issue(self, layer: int, experts: list[int]) -> None:
+    def issue(self, layer: int, experts: list[int], source: str = "router") -> None:
         self.drain()
         table = self.store.table
         base = layer * self.store.num_experts
         self.guessed += len(experts)
         missing = [e for e in experts if table.slot_of(base + e) is None][:self.width]
         self.missing += len(missing)
-        self.layer, self.guess, self.loaded = layer, set(missing), 0
-        if not missing or self.precision < self.min_precision:
+        self.layer, self.guess, self.loaded, self.source = layer, set(missing), 0, source
+        if not missing or self.precision[source] < self.min_precision:
             return
         for f in self.store.files.values():  # a file changed under us: caught before reading from it
             f.check()
@@ -465,7 +490,7 @@ class Prefetch:
         """Score the last guess; drop its unused reads (wasted). Staging reads are waited for (they
         write rows the next batch reuses); AIO reads land nowhere, reaped one batch later."""
         if self.guess:
-            self.precision = 0.8 * self.precision + 0.2 * self.loaded / len(self.guess)
+            self.precision[self.source] = 0.8 * self.precision[self.source] + 0.2 * self.loaded / len(self.guess)
         if self.dropped:
             self.store.reader.collect(self.dropped, time.perf_counter())
         self.dropped = []
@@ -480,7 +505,8 @@ class Prefetch:
 
     def stats(self) -> dict:
         return {"guessed": self.guessed, "guessed_missing": self.missing, "guessed_right": self.right,
-                "precision": round(self.precision, 3), "min_precision": self.min_precision,
+                "precision": round(self.precision["router"], 3),
+                "precision_embedding": round(self.precision["embedding"], 3), "min_precision": self.min_precision,
                 "read_ahead": self.read, "used": self.used, "used_late": self.late, "wasted": self.wasted,
                 "pending": len(self.batch),  # the last batch's unused reads: counted wasted at the next
                 "used_bytes": self.used_bytes, "wasted_bytes": self.wasted_bytes,
