@@ -135,7 +135,7 @@ class _TierSpec(_Spec):
                     L["moe"]["biases"] = []
                 L["moe"]["experts"] = []
         self.embed_module = model.get_input_embeddings()
-        self.first_moe = next(L for L in self.layers if "moe" in L)
+        self.first_moe = next((L for L in self.layers if "moe" in L), None)
 
     def first_guess(self, token: int) -> tuple[int, list[int]]:
         """The first MoE layer's experts guessed from ``token``'s embedding alone: that layer's
@@ -293,7 +293,7 @@ class _TierStepGraph(_StepGraph):
         prefetch = self.spec.prefetch
         if prefetch is not None:
             prefetch.drain()                     # guesses of the last forward are spent
-            if T == 1:                           # the first MoE layer's, from the token's embedding
+            if T == 1 and self.spec.first_moe is not None:  # the first MoE layer's, from the embedding
                 prefetch.issue(*self.spec.first_guess(int(self._tok[0])), source="embedding")
         self._run(0)
         for i in range(len(self._moe_specs)):
