@@ -93,7 +93,8 @@ def main() -> None:
         return child(json.loads(args.child))
     from bench_tiers import build_model, model_path
 
-    print(f"{'F':>6} {'S':>5} {'tok/s':>7} {'RAM hits':>9} {'MiB/token':>10} {'precision':>10} {'missing/tok':>12} {'accuracy':>9}")
+    print(f"{'F':>6} {'S':>5} {'tok/s':>7} {'RAM hits':>9} {'MiB/token':>10} {'precision':>10} "
+          f"{'missing/tok':>12} {'accuracy':>9}")
     for pair in args.grid:
         update, shared = (float(x) for x in pair.split(","))
         path = model_path(Path(args.dir), update, shared)

@@ -44,9 +44,10 @@ tier (a prompt's bypasses) points the layer's leaves at the step's compact copy 
 Read-ahead (decode steps): layer l+1's router applied to layer l's MoE input (the residual
 stream changes little from one layer to the next) guesses layer l+1's experts, and the first
 MoE layer's router on the token's embedding guesses that layer's before segment 0; those not
-in the tier are read (by the tier's reader) while the segments before their layer compute. When layer l+1's step
-loads one of them, the read lands in the row the step names instead of being started then
-(kernel AIO; with reader threads its bytes are copied from a staging row: ``Prefetch.take``);
+in the tier are read (by the tier's reader) while the segments before their layer compute.
+When a step loads one of them, the read lands in the row the step names instead of being
+started then (kernel AIO; with reader threads its bytes are copied from a staging row:
+``Prefetch.take``);
 the table plans the step as without the guess, so hits, loads and evictions do not change.
 ``stats()['tier']['prefetch']`` counts experts read ahead, those a step used and the bytes read
 for nothing.
@@ -408,7 +409,8 @@ class Prefetch:
     the tier, the share the step then loaded), read or not, and a batch is read while the recent
     precision (a moving average) of its kind of guess is at least ``min_precision``: the first
     MoE layer's, from the token's embedding (``source='embedding'``), can fail where the next
-    layer's router on this layer's input (``'router'``) holds, and the other way round. A wasted read costs the
+    layer's router on this layer's input (``'router'``) holds, and the other way round. A
+    wasted read costs the
     disk and the cores what a used one saves (one expert each), so below about one in two the
     guesses slow decode down; a model whose layers route alike reads ahead, one that does not
     stops after a few tokens and is scored on."""
