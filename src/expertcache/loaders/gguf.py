@@ -15,8 +15,10 @@ weights the transformers experts module computes with.
 
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -303,6 +305,25 @@ _EXPERT_COUNT_KEY = {"gpt_oss": "num_local_experts", "mixtral": "num_local_exper
 _GATING = {int(t): t.name.lower() for t in ExpertGatingFuncType}
 
 
+@contextmanager
+def one_name_map():
+    """gguf-py's ``get_tensor_name_map`` built once per (arch, layers) inside the block.
+
+    transformers' ``get_gguf_hf_weights_map`` walks the model's modules recursively and builds
+    gguf-py's ``TensorNameMap`` (every name of every block) anew in each call: 679 times for a
+    48-layer Qwen3-MoE, 22 s of a 54 s load (EPYC sandbox). It imports the function from the
+    ``gguf`` module at each call, so a cached one in its place serves them all (pinned by
+    tests/test_gguf_names.py)."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype, dense) -> None:
     """Dequantize every non-expert tensor and assign it under its transformers name, except
     those ``gguf_dense.place_stored`` leaves in the file for ggml (``dense``: its report)."""
@@ -311,7 +332,8 @@ def _load_dense(model, header: GgufModel, hf_config, dtype: torch.dtype, dense) 
 
     processor = TENSOR_PROCESSORS.get(header.arch, TensorProcessor)(config=hf_config.to_dict())
     # the arch named: gguf-py has no "mixtral" (llama.cpp writes it as "llama")
-    names = get_gguf_hf_weights_map(model, processor, model_type=header.arch)
+    with one_name_map():
+        names = get_gguf_hf_weights_map(model, processor, model_type=header.arch)
     for block in range(hf_config.num_hidden_layers):  # not in gguf-py's name map: GPT-OSS's sinks,
         names.setdefault(f"blk.{block}.attn_sinks.weight", f"model.layers.{block}.self_attn.sinks")
         # DeepSeek's router bias (llama.cpp's converter renames e_score_correction_bias to .bias)
