@@ -166,3 +166,22 @@ def test_io_setup_refused_is_a_reason_not_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(AioPool, "__init__", refuse)
     assert open_aio([f]) == (None, "io_setup refused (Operation not permitted)")
     f.close()
+
+
+def test_zeroed_rows_are_committed_zeros_on_an_aligned_map():
+    """``host.zeroed`` (the RAM tier's rows; ``huge_map`` also carves the bounce buffers):
+    zeros, writable, 2 MiB-aligned, and resident once it returns (its pages faulted in)."""
+    from expertcache.runtime.host import zeroed
+
+    def rss() -> int:
+        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS:")).split()[1]) << 10
+
+    n = (64 << 20) + 12345
+    before = rss()
+    out = zeroed(n)
+    grown = rss() - before
+    assert out.shape == (n,) and out.dtype.itemsize == 1 and out.data_ptr() % (2 << 20) == 0
+    assert not out.any()
+    assert grown > 0.9 * n, f"only {grown} of {n} bytes resident after zeroed()"
+    out[-1] = 7  # writable to the last byte
+    assert int(out[-1]) == 7

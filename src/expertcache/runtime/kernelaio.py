@@ -14,9 +14,9 @@ destination row on the caller's thread, each as it completes, while the others s
 A read may start before its destination is known (``dst`` None) and be given one later
 (``bind``): the tier reads a step's missing experts before its table has chosen their rows.
 
-Bounce buffers are carved from anonymous maps advised ``MADV_HUGEPAGE``: ``io_submit`` pins a
-read's buffer pages, and on 2 MiB pages that took 36 us for three 432 KiB reads against 86 us
-on 4 KiB pages (EPYC sandbox, transparent huge pages on; where they are off it changes nothing).
+Bounce buffers are carved from anonymous maps advised ``MADV_HUGEPAGE`` (``host.huge_map``):
+``io_submit`` pins a read's buffer pages, and on 2 MiB pages that took 36 us for three 432 KiB
+reads against 86 us on 4 KiB pages (EPYC sandbox, transparent huge pages on; where they are off it changes nothing).
 
 Only with ``O_DIRECT`` (buffered reads under kernel AIO run synchronously inside
 ``io_submit``), on little-endian x86_64 and aarch64 (the syscall numbers and ``struct iocb``
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 import os
 import platform
 import sys
@@ -39,13 +38,13 @@ import time
 import numpy as np
 
 from .directio import ALIGN, DirectFile, ReadCounters
+from .host import huge_map
 
 # (io_setup, io_destroy, io_getevents, io_submit): arch/x86/entry/syscalls/syscall_64.tbl and
 # include/uapi/asm-generic/unistd.h (aarch64)
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2), "arm64": (0, 1, 4, 2)}
 _DEPTH = 256         # reads in flight at most (the context's events): a step reads far fewer
 _PREAD = 0           # IOCB_CMD_PREAD
-_HUGE = 2 << 20      # a transparent huge page on x86_64 and aarch64 (4 KiB base pages)
 _CHUNK = 16 << 20    # bounce buffers are carved from maps of this size (or one read's, if larger)
 
 
@@ -237,21 +236,9 @@ class AioPool:
         if free:
             return free.pop()
         if self._arena.nbytes < size:
-            self._arena = _huge_map(max(_CHUNK, size))
+            self._arena = huge_map(max(_CHUNK, size))
         buf, self._arena = self._arena[:size], self._arena[-(-size // ALIGN) * ALIGN:]
         return buf  # a view: keeps its map alive
-
-
-def _huge_map(size: int) -> np.ndarray:
-    """``size`` bytes of a fresh anonymous map, 2 MiB-aligned, advised to use huge pages."""
-    m = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no THP here: 4 KiB pages, as numpy's would be
-        pass
-    raw = np.frombuffer(m, np.uint8)
-    skip = -raw.ctypes.data % _HUGE
-    return raw[skip:skip + size]
 
 
 def open_aio(files) -> tuple[AioPool | None, str]:

@@ -42,7 +42,7 @@ from ..sizes import format_size
 from ..stats import DECODE, PREFILL
 from .device import free_memory
 from .directio import READERS, DirectFile, ReadCounters, ReadPool
-from .host import pinned_copy
+from .host import zeroed
 from .kernelaio import open_aio
 from .quantized import Codec
 
@@ -386,8 +386,8 @@ class TieredStore:
 
 
 def _buffer(rows: int, stride: int, cuda: bool) -> torch.Tensor:
-    out = torch.zeros(rows, stride, dtype=torch.uint8)  # touched now: the budget is resident
-    return pinned_copy(out) if cuda else out
+    """[rows, stride] zeros, touched now: the budget is resident from the load (page-locked with CUDA)."""
+    return zeroed(rows * stride, pinned=cuda).view(rows, stride)
 
 
 class TieredExperts:
