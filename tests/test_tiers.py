@@ -63,9 +63,51 @@ def test_budget_below_one_step_or_above_ram(model_file, monkeypatch):
     with pytest.raises(ValueError, match=r"holds 1 experts .* fewer than the top_k=2 one step needs"):
         expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget="1%")
     import expertcache.runtime.tiered as tiered
-    monkeypatch.setattr(tiered, "free_memory", lambda device: 1 << 20)  # a machine with 1 MiB free
+    monkeypatch.setattr(tiered, "host_room", lambda: 1 << 20)  # a machine (or cgroup) with 1 MiB free
     with pytest.raises(ValueError, match=r"only 1.00 MiB of RAM is available; give a smaller host_budget"):
         expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget="50%")
+
+
+def test_auto_budget_takes_the_free_ram_less_dense_weights_and_a_margin(model_file, monkeypatch):
+    """``host_budget='auto'``: the rows that fit in the free RAM (a cgroup's room counts) less the
+    dense weights' file bytes and a margin of 15%, at least 2 GiB; every expert where all fit;
+    refused in one line where not even one step's experts fit; refused by sim and plan."""
+    import expertcache.runtime.tiered as tiered
+    from expertcache.ggufmodel.header import read_header
+
+    header = read_header(model_file)
+    total, row = header.num_experts * len(header.moe_blocks), header.expert_bytes
+    dense = os.path.getsize(model_file) - header.experts_bytes
+    monkeypatch.setattr(tiered, "host_room", lambda: (2 << 30) + dense + 5 * row)  # margin: 2 GiB (over 15%)
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget="auto")
+    assert model.expertcache.tier.rows == 5 < total
+    assert "auto: " in model.expertcache.summary()["host_memory_reason"]
+    gib = 1 << 30  # 100 GiB free, 10 of dense weights: 15 GiB of margin, 75 rows of 1 GiB
+    assert tiered.auto_rows(100 * gib, 10 * gib, 1000, gib)[0] == 75
+    monkeypatch.setattr(tiered, "host_room", lambda: 1 << 40)
+    model = expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget="auto")
+    assert model.expertcache.tier.rows == total
+    monkeypatch.setattr(tiered, "host_room", lambda: (2 << 30) + dense + row)  # the 2 GiB margin leaves 1 row
+    with pytest.raises(ValueError, match=r"host_budget='auto' holds 1 experts .*auto: .* less a 2.00 GiB margin, "
+                                         r"fewer than the top_k=2"):
+        expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget="auto")
+    monkeypatch.setattr(tiered, "host_room", lambda: None)
+    with pytest.raises(ValueError, match="cannot be read here"):
+        expertcache.offload(model_file, device="cpu", baseline="resident", host_memory="tiered", host_budget="auto")
+    with pytest.raises(ValueError, match="sized from this machine's free RAM when a model loads"):
+        host_budget_rows("auto", 128, 1000)
+
+
+def test_host_room_is_the_lower_of_free_ram_and_the_cgroup(monkeypatch):
+    from expertcache.runtime import device
+
+    monkeypatch.setattr(device, "free_memory", lambda d: 8 << 30)
+    monkeypatch.setattr(device, "cgroup_room", lambda: None)
+    assert device.host_room() == 8 << 30
+    monkeypatch.setattr(device, "cgroup_room", lambda: 1 << 30)
+    assert device.host_room() == 1 << 30
+    monkeypatch.setattr(device, "free_memory", lambda d: None)
+    assert device.host_room() == 1 << 30
 
 
 def test_cli_takes_the_tier_flags(model_file, capsys):

@@ -88,7 +88,7 @@ class CacheConfig:
     staging_blocks: int | None = None   # planner='device': staging rows in blocks, layer l -> block l % n
     #                                     (None: one block per layer, staging default layers x top-k)
     graphs: str = "auto"                # GRAPH_MODES: decode replayed from a captured graph
-    host_budget: str | int | float | None = None  # host_memory='tiered': RAM for experts, '2GiB' or '25%'/0.25
+    host_budget: str | int | float | None = None  # host_memory='tiered': RAM for experts, '2GiB', '25%'/0.25, 'auto'
     host_policy: PolicySpec = "default"  # host_memory="tiered": the RAM tier's eviction (docs/tiers.md)
     # Parameters by name, merged into the policy specs at construction (they win over a spec's own).
     eviction_params: InitVar[dict | None] = None
@@ -164,7 +164,8 @@ class CacheConfig:
         if self.host_budget is None:
             raise ValueError("host_memory='tiered' needs host_budget: the RAM the tier keeps experts in, "
                              "as bytes ('2GiB') or a share of all experts ('25%' or 0.25)")
-        host_budget_share(self.host_budget)  # checks the spelling; sizes are checked at load
+        if self.host_budget != "auto":  # 'auto': sized from the free RAM at load (runtime/tiered.py)
+            host_budget_share(self.host_budget)  # checks the spelling; sizes are checked at load
 
     @staticmethod
     def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -199,7 +200,10 @@ class CacheConfig:
 
 def host_budget_share(budget: str | int | float) -> float | None:
     """``host_budget`` as a share of all experts ('25%', 0.25), or None when it is a size in bytes
-    ('2GiB', 2147483648); ValueError for anything else."""
+    ('2GiB', 2147483648); ValueError for anything else ('auto' too: only a live run sizes it)."""
+    if budget == "auto":
+        raise ValueError("host_budget='auto' is sized from this machine's free RAM when a model loads; "
+                         "here give a size ('16GiB') or a share of the experts ('25%')")
     if isinstance(budget, float) or (isinstance(budget, str) and budget.strip().endswith("%")):
         share = budget if isinstance(budget, float) else _percent(budget)
         if not 0 < share <= 1:

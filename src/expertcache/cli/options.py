@@ -42,7 +42,8 @@ def add_cache_options(p) -> None:
                         "memory-mapped file, auto (a pinned copy when it fits, else the file), or tiered "
                         "(a RAM tier of --host-budget experts over the file, read with O_DIRECT; docs/tiers.md)")
     p.add_argument("--host-budget", metavar="SIZE",
-                   help="--host-memory tiered: RAM for experts, bytes (2GiB) or a share of them (25%%)")
+                   help="--host-memory tiered: RAM for experts, bytes (2GiB), a share of them (25%%), or auto "
+                        "(the RAM free at load less the dense weights and a 15%% margin, at least 2GiB)")
     p.add_argument("--host-policy", default="default", metavar="EVICTION",
                    help="--host-memory tiered: the RAM tier's eviction policy (default: default)")
     p.add_argument("--hardware", help="cost-model profile for --miss auto: a preset (pcie4-consumer, "

@@ -407,8 +407,10 @@ def _tiered_hosts(header: GgufModel, codecs: list[Codec], config: CacheConfig, d
 
     layers = [{name: PartRange(ref.file, ref.offset, ref.nbytes // ref.shape[0])
                for name, ref in header.experts[block].items()} for block in header.moe_blocks]
+    # the dense weights: dequantized already, or read by ggml through the page cache (budget 'auto' leaves them room)
+    dense = sum(p.stat().st_size for p in header.paths) - header.experts_bytes
     return build_tiered(layers, codecs, header.num_experts, header.top_k, config.host_budget,
-                        config.host_policy, device)
+                        config.host_policy, device, dense_bytes=dense)
 
 
 def load_gguf_tokenizer(path: Path):

@@ -63,8 +63,11 @@ def load_tiered_checkpoint(path: str | Path, config: CacheConfig, device: torch.
         _check_shapes(name, module, codec)
         layers.append(ranges)
         codecs.append(codec)
-    hosts = build_tiered(layers, codecs, found[0][1].num_experts, _top_k(hf_config), config.host_budget,
-                         config.host_policy, device)
+    num_experts = found[0][1].num_experts
+    experts = sum(part.nbytes for layer in layers for part in layer.values()) * num_experts
+    dense = max(sum(t.nbytes for t in stored.values()) - experts, 0)  # loaded below, after the tier
+    hosts = build_tiered(layers, codecs, num_experts, _top_k(hf_config), config.host_budget,
+                         config.host_policy, device, dense_bytes=dense)
     with _Checkpoint(path) as ckpt:
         _load_dense(model, ckpt, tuple(name + "." for name, _ in found), qcfg or {}, path, rename)
     drop_expert_params(found)

@@ -35,6 +35,15 @@ def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name or default_dtype(device.type)]
 
 
+def host_room() -> int | None:
+    """Bytes of RAM this process can still take: ``MemAvailable``, or its memory cgroup's room
+    (``cgroup_room``) where that is less (a container's limit binds before the machine's RAM)."""
+    free, room = free_memory(torch.device("cpu")), cgroup_room()
+    if room is None:
+        return free
+    return room if free is None else min(free, room)
+
+
 def cgroup_room() -> int | None:
     """Bytes this process's memory cgroup may still charge (limit - usage; v2 ``memory.max`` or
     v1 ``memory.limit_in_bytes``), or None without a limit. Usage counts the page cache too, so

@@ -1009,7 +1009,7 @@ def _repack(spec: _Spec, choice: str):
     quantized weights take under half the free memory: a model near the RAM's size stays read
     in place from the file, paged by the OS."""
     from ..quant.ggmlrepack import Repacked
-    from .device import cgroup_room, free_memory
+    from .device import host_room
 
     if choice == "off":
         return None, "cpu_repack='off': weights read in place"
@@ -1018,10 +1018,7 @@ def _repack(spec: _Spec, choice: str):
         return None, "ggml has no CPU_REPACK buffer type here: weights read in place"
     quantized = [w for w in _weights(spec) if w[0] not in (GGML_TYPE_F32, GGML_TYPE_F16)]
     size = sum(repacked.nbytes(t, ne) for t, ne, _, _ in quantized)
-    free = free_memory(torch.device("cpu"))
-    room = cgroup_room()   # under a memory cgroup the limit binds first (bench_tiers' mmap run was killed)
-    if room is not None:
-        free = room if free is None else min(free, room)
+    free = host_room()   # under a memory cgroup the limit binds first (bench_tiers' mmap run was killed)
     if free is not None and size > free // 2:
         return None, (f"cpu_repack='auto': weights read in place ({size / 2**30:.1f} GiB of quantized "
                       f"weights, over half the {free / 2**30:.1f} GiB free)")

@@ -40,7 +40,7 @@ from ..cache import SlotTable
 from ..config import host_budget_rows
 from ..sizes import format_size
 from ..stats import DECODE, PREFILL
-from .device import free_memory
+from .device import host_room
 from .directio import READERS, DirectFile, ReadCounters, ReadPool
 from .host import zeroed
 from .kernelaio import open_aio
@@ -493,23 +493,45 @@ def _overlapped(kernel, store: TieredStore, pending: Pending, stand_ins: dict[in
     return torch.bmm(w, out.view(T, K, -1)).squeeze(1).to(hidden.dtype)              # [T, H]
 
 
+# host_budget='auto' leaves this share of the free RAM (at least AUTO_MARGIN_MIN) to everything
+# but the tier: the KV cache, ggml's work buffers, the bounce buffers, Python and torch
+AUTO_MARGIN, AUTO_MARGIN_MIN = 0.15, 2 << 30
+
+
+def auto_rows(free: int | None, dense_bytes: int, total: int, row_bytes: int) -> tuple[int, str]:
+    """``host_budget='auto'``: the experts that fit in the RAM free at load (``host_room``: a
+    memory cgroup's limit counts) less the dense weights not yet loaded (``dense_bytes``) and a
+    margin; every expert where they all fit. (rows, how they were sized, for messages)."""
+    if free is None:
+        raise ValueError("host_budget='auto' sizes the tier from the free RAM, which cannot be read here "
+                         "(no /proc/meminfo); give a size ('16GiB') or a share of the experts ('25%')")
+    margin = max(AUTO_MARGIN_MIN, int(AUTO_MARGIN * free))
+    rows = min(total, max(free - dense_bytes - margin, 0) // row_bytes)
+    dense = f" less {format_size(dense_bytes)} of dense weights" if dense_bytes else ""
+    return rows, f", auto: {format_size(free)} of RAM free{dense} less a {format_size(margin)} margin"
+
+
 def build_tiered(layers: list[dict[str, PartRange]], codecs: list[Codec], num_experts: int, top_k: int,
-                 budget, policy, device: torch.device, direct: bool = True) -> list[TieredExperts]:
+                 budget, policy, device: torch.device, direct: bool = True, dense_bytes: int = 0) -> list[TieredExperts]:
     """The RAM tier for a model's expert ranges: one ``TieredExperts`` per MoE layer (bad budgets
-    refused with one line before any memory is taken)."""
+    refused with one line before any memory is taken). ``dense_bytes``: the model's other weights
+    not yet in this process's memory, which ``budget='auto'`` leaves room for."""
     total = len(layers) * num_experts
     row_bytes = sum(max(layer[p].nbytes for layer in layers) for p in layers[0])
-    rows = host_budget_rows(budget, total, row_bytes)
+    free = host_room()
+    if budget == "auto":
+        rows, why = auto_rows(free, dense_bytes, total, row_bytes)
+    else:
+        rows, why = host_budget_rows(budget, total, row_bytes), ""
     if rows < top_k:
-        raise ValueError(f"host_budget={budget!r} holds {rows} experts of {format_size(row_bytes)}, fewer than "
-                         f"the top_k={top_k} one step needs; give at least {format_size(top_k * row_bytes)} "
+        raise ValueError(f"host_budget={budget!r} holds {rows} experts of {format_size(row_bytes)}{why}, fewer "
+                         f"than the top_k={top_k} one step needs; give at least {format_size(top_k * row_bytes)} "
                          f"or {100 * top_k / total:.2g}% of the experts")
-    free = free_memory(torch.device("cpu"))
     if free is not None and rows * row_bytes > free:
         raise ValueError(f"host_budget={budget!r} is {format_size(rows * row_bytes)} of experts but only "
                          f"{format_size(free)} of RAM is available; give a smaller host_budget")
     store = TieredStore(layers, num_experts, rows, policy, top_k, device.type == "cuda", direct)
     reason = (f"RAM tier of {rows} of {total} experts ({format_size(rows * row_bytes)}, "
-              f"{100 * rows / total:.0f}%) under {store.table.eviction_name}; the rest read from the file "
+              f"{100 * rows / total:.0f}%{why}) under {store.table.eviction_name}; the rest read from the file "
               f"({'O_DIRECT' if store.direct else 'buffered'}: {store.read_reason})")
     return [TieredExperts(store, layer, codec, reason) for layer, codec in enumerate(codecs)]
