@@ -12,13 +12,17 @@ refuses to run where the file fits in RAM. Each configuration is a process of it
   page cache, which may use all the memory the machine has free (llama.cpp's default);
 - ``tiered N% plain``: a RAM tier of N% of the experts, its rows the file's bytes
   (``cpu_repack='off'``): ggml's kernels are then mmap's, so its tokens must equal mmap's;
-- ``tiered N%``: the same tier, its rows in ggml's repacked layout (the default).
+- ``tiered N%``: the same tier, its rows in ggml's repacked layout (the default);
+- ``tiered auto`` (``--auto``): ``host_budget='auto'``, the RAM free at load less the dense
+  weights and a margin (runtime/tiered.py ``auto_rows``).
 
 Reported per run: load seconds, prompt seconds (8 tokens), decode tok/s over ``--tokens``
 sampled tokens (seeded) and past their first quarter, bytes read from disk per decode token
 (``/proc/self/io`` ``read_bytes``), peak RSS, the tier's RAM hit rate, whether the tokens equal
 mmap's. No all-in-RAM run is possible here (that is the point), so the disk bound is the one
-figure to score against: disk bytes per token over the drive's ``O_DIRECT`` rate.
+figure to score against: disk bytes per token over the drive's ``O_DIRECT`` rate. Without a
+cgroup mmap's page cache takes what RAM is free, the tier its budget; ``--limit 10GiB`` puts
+every run in one memory cgroup (v1, root), so that both have the same RAM.
 
     flock /tmp/bench.lock python benchmarks/bench_beyond_ram.py --dir /tmp/tiers-bench --tokens 32 \
         --json benchmarks/results/bench_beyond_ram.json --png benchmarks/results/bench_beyond_ram.png
@@ -196,8 +200,9 @@ def _plot(doc: dict, path: Path) -> None:
         ax.tick_params(axis="x", labelsize=7, rotation=60)
     update = doc.get("layer_update", 1)
     fig.suptitle(f"{doc['machine']}; {doc['file_bytes'] / 1e9:.1f} GB GGUF (Qwen3-30B-A3B shape, Q8_0"
-                 + ("" if update == 1 else f", layer update {update:g}") + "), no cgroup; "
-                 f"O_DIRECT {doc['odirect_bandwidth'] / 1e9:.2f} GB/s; {doc['tokens']} sampled tokens", fontsize=8)
+                 + ("" if update == 1 else f", layer update {update:g}") + "); "
+                 + (f"cgroup limit {doc['limit'] / 2**30:.1f} GiB; " if doc.get("limit") else "no cgroup; ")
+                 + f"O_DIRECT {doc['odirect_bandwidth'] / 1e9:.2f} GB/s; {doc['tokens']} sampled tokens", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -208,11 +213,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shares", type=int, nargs="+", default=[50], help="tier budgets, %% of the experts")
+    ap.add_argument("--auto", action="store_true", help="also run the tier at host_budget='auto' (the free "
+                    "RAM less the dense weights and a margin)")
     ap.add_argument("--no-plain", action="store_true", help="skip the tiers with plain rows (the tokens check)")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of every configuration, interleaved")
     ap.add_argument("--layer-update", type=float, default=1.0, help="scale of what each layer adds to the "
                     "residual stream (bench_tiers.py's; 0.1: consecutive tokens share about as many experts "
                     "as the real Qwen3-30B-A3B traces; a model of its own)")
+    ap.add_argument("--limit", help="put every run in one memory cgroup of this size (e.g. 10GiB): mmap and "
+                    "the tier in the same RAM, bench_tiers.py's comparison at this model's scale")
     ap.add_argument("--allow-fits", action="store_true", help="run even where the file fits in RAM")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--remove", action="store_true", help="delete the model file at the end")
@@ -220,7 +229,7 @@ def main() -> None:
     ap.add_argument("--png")
     args = ap.parse_args()
     from expertcache.ggufmodel.header import read_header
-    from expertcache.sizes import format_size
+    from expertcache.sizes import format_size, parse_size
 
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -240,17 +249,23 @@ def main() -> None:
     bandwidth = bench_tiers._bandwidth(model, 2 << 30)
     print(f"O_DIRECT read bandwidth {bandwidth / 1e9:.2f} GB/s (4 threads, 512 KiB blocks, first 2 GiB)", flush=True)
     load = os.getloadavg()
+    cgroup, limit_note = None, "no cgroup"
+    if args.limit:
+        cgroup, limit_note = bench_tiers.make_cgroup("expertcache-beyond-ram", parse_size(args.limit))
+        print(limit_note, flush=True)
     configs = [("mmap", dict(host_memory="mmap", cpu_repack="off"))]
     for share in args.shares:
         if not args.no_plain:
             configs.append((f"tiered {share}% plain", dict(bench_tiers._tier(share), cpu_repack="off")))
         configs.append((f"tiered {share}%", bench_tiers._tier(share)))
+    if args.auto:
+        configs.append(("tiered auto", dict(host_memory="tiered", host_budget="auto")))
     runs = []
     for round_ in range(1, args.repeats + 1):
         mmap_tokens = None
         for label, settings in configs:
             print(f"round {round_}: {label} ...", flush=True)
-            r = bench_tiers.run(model, label, settings, args.tokens, args.threads, None)
+            r = bench_tiers.run(model, label, settings, args.tokens, args.threads, cgroup)
             r["round"] = round_
             if "error" not in r:
                 if label == "mmap":
@@ -260,6 +275,7 @@ def main() -> None:
             runs.append(r)
     _table(runs, format_size)
     doc = {"machine": bench_tiers._machine(), "memory": memory, "file_bytes": file_bytes, "shape": SHAPE,
+           "limit": parse_size(args.limit) if cgroup is not None else None, "cgroup": limit_note,
            "layer_update": args.layer_update, "odirect_bandwidth": bandwidth, "tokens": args.tokens, "threads": args.threads,
            "load_before": load, "load_after": os.getloadavg(), "runs": runs}
     if args.json:
