@@ -276,8 +276,8 @@ def main() -> None:
     _table(runs, format_size)
     doc = {"machine": bench_tiers._machine(), "memory": memory, "file_bytes": file_bytes, "shape": SHAPE,
            "limit": parse_size(args.limit) if cgroup is not None else None, "cgroup": limit_note,
-           "layer_update": args.layer_update, "odirect_bandwidth": bandwidth, "tokens": args.tokens, "threads": args.threads,
-           "load_before": load, "load_after": os.getloadavg(), "runs": runs}
+           "layer_update": args.layer_update, "odirect_bandwidth": bandwidth, "tokens": args.tokens,
+           "threads": args.threads, "load_before": load, "load_after": os.getloadavg(), "runs": runs}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     if args.png:

@@ -183,7 +183,7 @@ def _register(out: torch.Tensor, buf) -> bool:
     return True
 
 
-def _unregister(ptr: int, buf: mmap.mmap) -> None:
+def _unregister(ptr: int, buf) -> None:  # buf: the map, held until now
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 

@@ -16,7 +16,8 @@ A read may start before its destination is known (``dst`` None) and be given one
 
 Bounce buffers are carved from anonymous maps advised ``MADV_HUGEPAGE`` (``host.huge_map``):
 ``io_submit`` pins a read's buffer pages, and on 2 MiB pages that took 36 us for three 432 KiB
-reads against 86 us on 4 KiB pages (EPYC sandbox, transparent huge pages on; where they are off it changes nothing).
+reads against 86 us on 4 KiB pages (EPYC sandbox, transparent huge pages on; where they are off
+it changes nothing).
 
 Only with ``O_DIRECT`` (buffered reads under kernel AIO run synchronously inside
 ``io_submit``), on little-endian x86_64 and aarch64 (the syscall numbers and ``struct iocb``

@@ -512,7 +512,8 @@ def auto_rows(free: int | None, dense_bytes: int, total: int, row_bytes: int) ->
 
 
 def build_tiered(layers: list[dict[str, PartRange]], codecs: list[Codec], num_experts: int, top_k: int,
-                 budget, policy, device: torch.device, direct: bool = True, dense_bytes: int = 0) -> list[TieredExperts]:
+                 budget, policy, device: torch.device, direct: bool = True,
+                 dense_bytes: int = 0) -> list[TieredExperts]:
     """The RAM tier for a model's expert ranges: one ``TieredExperts`` per MoE layer (bad budgets
     refused with one line before any memory is taken). ``dense_bytes``: the model's other weights
     not yet in this process's memory, which ``budget='auto'`` leaves room for."""
