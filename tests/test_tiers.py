@@ -522,3 +522,17 @@ def test_a_split_gguf_reads_each_part_from_its_own_file(tmp_path, want):
     model = expertcache.offload(first, device="cpu", baseline="resident", host_memory="tiered", host_budget=0.25)
     assert len(model.expertcache.tier.files) > 1
     assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False), want)
+
+
+def test_mmap_past_the_free_ram_names_the_tier(monkeypatch):
+    """``host_memory='auto'`` falls back to the memory-mapped file past 80% of the free RAM; its
+    reason then names what beat the page cache there (docs/tiers.md)."""
+    import torch
+
+    from expertcache.runtime import host
+
+    monkeypatch.setattr(host, "free_memory", lambda device: 10 << 30)
+    mode, why = host.host_mode("auto", torch.device("cpu"), "GGUF experts", 9 << 30)
+    assert mode == "mmap" and "host_memory='tiered', host_budget='auto'" in why
+    mode, why = host.host_mode("auto", torch.device("cpu"), "GGUF experts", 1 << 30)
+    assert mode == "mmap" and "tiered" not in why
