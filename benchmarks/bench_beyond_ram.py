@@ -159,8 +159,7 @@ def _score(r: dict, bandwidth: float, mmap_tokens: list | None) -> None:
     r["disk_bytes_per_token"] = r["decode_disk_read_bytes"] / decode
     r["disk_bound_tok_s"] = bandwidth / r["disk_bytes_per_token"] if r["disk_bytes_per_token"] else None
     r["of_disk_bound"] = r["tok_s"] / r["disk_bound_tok_s"] if r["disk_bound_tok_s"] else None
-    d = (r.get("tier") or {}).get("decode", {})
-    r["ram_hits"] = d["ram_hits"] / d["accesses"] if d.get("accesses") else None
+    r["ram_hits"] = bench_tiers.ram_hit_rate(r)
     r["tokens_equal_mmap"] = None if mmap_tokens is None else r["tokens"] == mmap_tokens
 
 

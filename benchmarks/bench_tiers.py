@@ -465,8 +465,13 @@ def _score(r: dict, ref: dict, bandwidth: float, same_kernels: dict | None = Non
         r["of_bound_steady"] = r["steady_tok_s"] / _bounds(bandwidth, per_token, ref["steady_tok_s"])[1]
     r["tokens_equal_reference"] = r["tokens"] == (same_kernels or ref).get("tokens")
     r["tokens_reference"] = "all in RAM, plain kernels" if same_kernels else "all in RAM"
-    d = (r["tier"] or {}).get("decode", {})
-    r["ram_hit_rate"] = d["ram_hits"] / d["accesses"] if d.get("accesses") else None
+    r["ram_hit_rate"] = ram_hit_rate(r)
+
+
+def ram_hit_rate(r: dict) -> float | None:
+    """A run's decode RAM hit rate from its tier counters (None without a tier or accesses)."""
+    d = (r.get("tier") or {}).get("decode", {})
+    return d["ram_hits"] / d["accesses"] if d.get("accesses") else None
 
 
 def _bounds(bandwidth: float, bytes_per_token: float, ram_tok_s: float | None) -> tuple:

@@ -47,10 +47,9 @@ MoE layer's router on the token's embedding guesses that layer's before segment 
 in the tier are read (by the tier's reader) while the segments before their layer compute.
 When a step loads one of them, the read lands in the row the step names instead of being
 started then (kernel AIO; with reader threads its bytes are copied from a staging row:
-``Prefetch.take``);
-the table plans the step as without the guess, so hits, loads and evictions do not change.
-``stats()['tier']['prefetch']`` counts experts read ahead, those a step used and the bytes read
-for nothing.
+``Prefetch.take``); the table plans the step as without the guess, so hits, loads and
+evictions do not change. ``stats()['tier']['prefetch']`` counts experts read ahead, those a
+step used and the bytes read for nothing.
 
 Repacked rows (``cpu_repack='auto'``): the rows of the parts ggml repacks hold ggml's repacked
 layout, each expert repacked as it is read (``TieredStore.repack_rows``, quant/ggmlrepack.py
@@ -409,11 +408,10 @@ class Prefetch:
     the tier, the share the step then loaded), read or not, and a batch is read while the recent
     precision (a moving average) of its kind of guess is at least ``min_precision``: the first
     MoE layer's, from the token's embedding (``source='embedding'``), can fail where the next
-    layer's router on this layer's input (``'router'``) holds, and the other way round. A
-    wasted read costs the
-    disk and the cores what a used one saves (one expert each), so below about one in two the
-    guesses slow decode down; a model whose layers route alike reads ahead, one that does not
-    stops after a few tokens and is scored on."""
+    layer's router on this layer's input (``'router'``) holds, and the other way round. A wasted
+    read costs the disk and the cores what a used one saves (one expert each), so below about one
+    in two the guesses slow decode down; a model whose layers route alike reads ahead, one that
+    does not stops after a few tokens and is scored on."""
 
     def __init__(self, store, width: int, min_precision: float = 0.5) -> None:
         self.store, self.width, self.min_precision = store, width, min_precision
